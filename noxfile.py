@@ -8,6 +8,8 @@ system site-packages and install our packages with `--no-deps --no-build-isolati
 from __future__ import annotations
 
 import re
+import site
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -41,32 +43,47 @@ def test_cpu(session: nox.Session) -> None:
     session.install(*[p for p in ENGINE_EXTRAS if not p.startswith(("llm-", "sharegpt"))])
     _install_packages(session, offline=False)
     env = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    session.run("pytest", "--device=cpu", "-p", "no:cacheprovider", *session.posargs, env=env)
+    session.run("python", "-m", "pytest", "--device=cpu", "-p", "no:cacheprovider", *session.posargs, env=env)
+
+
+def _inherit_host_site_packages(session: nox.Session) -> None:
+    """Make the interpreter's own packages (torch, triton, cuda-bindings) importable in the session venv.
+
+    `--system-site-packages` is not enough when nox itself runs from a virtualenv (the GPU image's python3 lives
+    in one): it exposes the base interpreter, not that environment. A .pth file naming the host's site dirs does.
+    """
+    host_dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()}
+    venv_site = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
+    ).strip()
+    Path(venv_site, "_elastiserve_host_site.pth").write_text("\n".join(sorted(host_dirs)) + "\n")
 
 
 def _gpu_session(session: nox.Session, device: str) -> None:
+    _inherit_host_site_packages(session)
     _install_packages(session, offline=True)
-    session.run("pytest", f"--device={device}", "-p", "no:cacheprovider", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    session.run("python", "-m", "pytest", f"--device={device}", "-p", "no:cacheprovider", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
 
 
-@nox.session(name="test-cuda", venv_params=["--system-site-packages"])
+@nox.session(name="test-cuda", venv_params=["--without-pip"])
 def test_cuda(session: nox.Session) -> None:
     """The suite on an NVIDIA GPU, offline, against the machine's torch/triton/cuda-bindings."""
     _gpu_session(session, "cuda")
 
 
-@nox.session(name="test-rocm", venv_params=["--system-site-packages"])
+@nox.session(name="test-rocm", venv_params=["--without-pip"])
 def test_rocm(session: nox.Session) -> None:
     """The suite on an AMD GPU, offline, against the machine's torch/triton/hip-python (never run yet)."""
     _gpu_session(session, "rocm")
 
 
-@nox.session(name="bench-cuda", venv_params=["--system-site-packages"])
+@nox.session(name="bench-cuda", venv_params=["--without-pip"])
 def bench_cuda(session: nox.Session) -> None:
     """Kernel and memory benchmarks on the GPU (pytest-benchmark; JSON under benchmarks/results)."""
+    _inherit_host_site_packages(session)
     _install_packages(session, offline=True)
     out = session.posargs[0] if session.posargs else "benchmarks/results/bench-cuda.json"
-    session.run("pytest", "benchmarks", "--device=cuda", "-p", "no:cacheprovider", f"--benchmark-json={out}")
+    session.run("python", "-m", "pytest", "benchmarks", "--device=cuda", "-p", "no:cacheprovider", f"--benchmark-json={out}")
 
 
 @nox.session

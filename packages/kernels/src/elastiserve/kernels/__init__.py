@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Nested FP16/FP8 GEMM and elastic attention kernels."""
