@@ -91,7 +91,8 @@ def test_e5m2_saturation_guard():
 
 @pytest.mark.parametrize(
     "values, nesting",
-    [([0.5, -1.8], Nesting.E4M3), ([1.9, -3.0], Nesting.E5M2), ([61440.0], Nesting.NONE), ([float("inf")], Nesting.NONE)],
+    [([0.5, -1.8], Nesting.E4M3), ([1.9, -3.0], Nesting.E5M2), ([61440.0], Nesting.NONE),
+     ([float("inf")], Nesting.NONE)],
 )
 def test_choose_nesting(values, nesting):
     got, reason = formats.choose_nesting(torch.tensor(values, dtype=torch.float16))
@@ -115,6 +116,7 @@ def test_bf16_to_fp16_exhaustive_rule():
     x = bits.float()
     finite = torch.isfinite(x)
     mag = x.abs()
-    rule = (mag == 0) | ((mag >= 2.0**-17) & (mag <= 65504)) | ((mag < 2.0**-17) & (torch.remainder(x.double(), 2.0**-24) == 0))
+    tiny_multiple = (mag < 2.0**-17) & (torch.remainder(x.double(), 2.0**-24) == 0)
+    rule = (mag == 0) | ((mag >= 2.0**-17) & (mag <= 65504)) | tiny_multiple
     exact_elementwise = x[finite] == x[finite].to(torch.float16).float()
     assert torch.equal(exact_elementwise, rule[finite])

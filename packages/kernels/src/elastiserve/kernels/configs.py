@@ -1,0 +1,173 @@
+"""Tile configurations for the nested GEMMs: a small deterministic table per arch, keyed on an M bucket.
+
+No ``triton.autotune`` by default: the interpreter is too slow for it and a deterministic choice keeps CUDA graph
+captures reproducible. ``tune_gemm`` (opt-in, GPU only) times a few candidates once per (mode, N, K, M bucket) and
+caches the winner in-process.
+
+Reasoning for the sm90 (H200, 132 SMs) rows:
+* M <= 64 is weight-bandwidth bound. The weight is operand A (swap-AB) so a 16-wide token tile still feeds a 64-row
+  MMA, and a decoded fp16 tile can stay in registers. BLOCK_K is large so each stage moves 16-32 KB of weight bytes
+  with 128-bit loads; split-K tops the grid up to fill every SM (o and down projections have few N tiles).
+* M >= 256 is compute bound: 128-wide tiles, 8 warps, grouped ordering for L2 reuse of the x tiles.
+* FP8 tiles take BLOCK_K = 128 (one wgmma K step of fp8 is 32; 128 keeps 4 stages within shared memory).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, replace
+
+from elastiserve.platforms import ConfigError
+
+M_BUCKETS = (1, 16, 64, 256, 1024, 4096)
+MODES = ("full", "weight_only", "fp8")
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    swap_ab: bool = True  # weight is operand A: acc is [BLOCK_N, BLOCK_M]
+    split_k: int = 1
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ConfigError(f"GemmConfig.{name}={value} must be a power of two")
+        if min(self.block_m, self.block_n, self.block_k) < 16:
+            raise ConfigError(f"tl.dot needs every block dimension >= 16, got {self}")
+        if self.split_k < 1 or self.num_stages < 1 or self.group_m < 1:
+            raise ConfigError(f"split_k, num_stages and group_m must be >= 1, got {self}")
+
+
+def m_bucket(m: int) -> int:
+    """The smallest bucket >= m (4096 for anything larger)."""
+    index = bisect.bisect_left(M_BUCKETS, m)
+    return M_BUCKETS[min(index, len(M_BUCKETS) - 1)]
+
+
+_G = GemmConfig
+
+_SM90: dict[str, dict[int, GemmConfig]] = {
+    "full": {
+        1: _G(16, 64, 256, num_warps=4, num_stages=4),
+        16: _G(16, 64, 256, num_warps=4, num_stages=4),
+        64: _G(64, 64, 128, num_warps=4, num_stages=4),
+        256: _G(64, 128, 64, num_warps=4, num_stages=4),
+        1024: _G(128, 128, 64, num_warps=8, num_stages=4),
+        4096: _G(256, 128, 64, num_warps=8, num_stages=3),
+    },
+    "weight_only": {
+        1: _G(16, 64, 256, num_warps=4, num_stages=5),
+        16: _G(16, 64, 256, num_warps=4, num_stages=5),
+        64: _G(64, 64, 128, num_warps=4, num_stages=5),
+        256: _G(64, 128, 128, num_warps=4, num_stages=4),
+        1024: _G(128, 128, 64, num_warps=8, num_stages=4),
+        4096: _G(256, 128, 64, num_warps=8, num_stages=3),
+    },
+    "fp8": {
+        1: _G(16, 64, 256, num_warps=4, num_stages=5),
+        16: _G(16, 64, 256, num_warps=4, num_stages=5),
+        64: _G(64, 64, 256, num_warps=4, num_stages=4),
+        256: _G(64, 128, 128, num_warps=4, num_stages=4, swap_ab=False),
+        1024: _G(128, 128, 128, num_warps=8, num_stages=4, swap_ab=False),
+        4096: _G(128, 256, 128, num_warps=8, num_stages=3, swap_ab=False),
+    },
+}
+
+# A100-class: no wgmma, 164 KB shared memory; same shapes with fewer stages.
+_SM80 = {mode: {b: replace(c, num_stages=min(c.num_stages, 3)) for b, c in table.items()}
+         for mode, table in _SM90.items()}
+
+# AMD: at most 16 warps, 64 KB LDS per CU; 2 stages are what the AMD pipeliner uses.
+_GFX = {mode: {b: replace(c, num_stages=2, block_k=min(c.block_k, 128)) for b, c in table.items()}
+        for mode, table in _SM90.items()}
+
+# Interpreter: small tiles keep the numpy work per program tiny.
+_CPU = {mode: {b: _G(16, 32, 32, num_warps=4, num_stages=1) for b in M_BUCKETS} for mode in MODES}
+
+TABLES: dict[str, dict[str, dict[int, GemmConfig]]] = {
+    "sm90": _SM90, "sm89": _SM80, "sm80": _SM80, "gfx942": _GFX, "gfx950": _GFX, "cpu": _CPU,
+}
+
+_tuned: dict[tuple[str, str, int, int, int], GemmConfig] = {}
+
+
+def _split_for_occupancy(tiles: int, k_blocks: int, num_sms: int, max_split: int = 8) -> int:
+    """Smallest split-K that best fills whole waves, keeping >= 4 K blocks per split."""
+    best, best_eff = 1, tiles / (-(-tiles // num_sms) * num_sms)
+    for split in range(2, max_split + 1):
+        if k_blocks < 4 * split:
+            break
+        total = tiles * split
+        eff = total / (-(-total // num_sms) * num_sms)
+        if eff > best_eff + 0.05:
+            best, best_eff = split, eff
+    return best
+
+
+def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) -> GemmConfig:
+    """Deterministic tile choice for y[m, n] = x[m, k] @ W[n, k].T in ``mode``."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown GEMM mode {mode!r}; expected one of {MODES}")
+    bucket = m_bucket(m)
+    tuned = _tuned.get((arch, mode, n, k, bucket))
+    if tuned is not None:
+        return tuned
+    config = TABLES.get(arch, _SM80)[mode][bucket]
+    if arch != "cpu" and bucket <= 64:
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        split = _split_for_occupancy(tiles, -(-k // config.block_k), num_sms)
+        if split > 1:
+            config = replace(config, split_k=split)
+    return config
+
+
+def candidate_configs(mode: str, m: int) -> list[GemmConfig]:
+    """A handful of alternatives around the table entry, for the opt-in tuner."""
+    base = _SM90[mode][m_bucket(m)]
+    out = [base]
+    for block_n in (32, 64, 128, 256):
+        for block_k in (64, 128, 256):
+            for stages in (3, 4, 5):
+                for swap_ab in (True, False):
+                    cand = replace(base, block_n=block_n, block_k=block_k, num_stages=stages, swap_ab=swap_ab)
+                    if cand not in out and block_n * block_k <= 32768 and _smem_bytes(mode, cand) <= 200_000:
+                        out.append(cand)
+    return out
+
+
+def _smem_bytes(mode: str, config: GemmConfig) -> int:
+    """Pipeline buffers only: weight planes (1 or 2 bytes per element) plus the x tile (2, or 1 for fp8)."""
+    weight = config.block_n * config.block_k * (2 if mode == "full" else 1)
+    x = config.block_m * config.block_k * (1 if mode == "fp8" else 2)
+    return (weight + x) * config.num_stages
+
+
+def remember_tuned(arch: str, mode: str, n: int, k: int, m: int, config: GemmConfig) -> None:
+    _tuned[(arch, mode, n, k, m_bucket(m))] = config
+
+
+def tune(arch: str, mode: str, n: int, k: int, m: int, time_fn) -> GemmConfig:
+    """Opt-in tuner (GPU only): ``time_fn(config) -> seconds`` for each candidate; the winner is cached for
+    (arch, mode, N, K, M bucket) and returned by ``choose_config`` from then on. Failing candidates are skipped."""
+    candidates = candidate_configs(mode, m)
+    if m_bucket(m) <= 64:
+        candidates += [replace(c, split_k=s) for c in candidates[:12] for s in (2, 4)]
+    best, best_time = None, float("inf")
+    for config in candidates:
+        try:
+            seconds = time_fn(config)
+        except Exception:
+            continue
+        if seconds < best_time:
+            best, best_time = config, seconds
+    if best is None:
+        raise ConfigError(f"no candidate config ran for {mode} N={n} K={k} M={m}")
+    remember_tuned(arch, mode, n, k, m, best)
+    return best

@@ -1,0 +1,328 @@
+"""Nested-weight GEMM ``y = x @ W.T (+ bias)`` with W held as two uint8 planes ``upper[N, K]``, ``lower[N, K]``.
+
+Modes (``MODE`` constexpr):
+* full (0): rebuild the exact fp16 weight in registers with integer ops only (portable), fp16 ``tl.dot``.
+* weight_only (1): fast mode, upper plane only, upcast to fp16 in registers (W8A16): half the weight bytes.
+* fp8 (2): fast mode on archs with fp8 MMA: activations quantized per token to e4m3 (``quantize_per_token``),
+  ``tl.dot`` on fp8 operands; MI300 reads the OCP bytes as FNUZ (0x80 -> 0, scale doubled).
+
+Registered op: ``elastiserve::nested_linear(x, upper, lower, bias, nesting, fast)``; pure-torch references at the
+bottom (``nested_linear_ref``, ``quantize_per_token_ref``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from elastiserve.kernels import configs, formats
+from elastiserve.kernels.formats import Nesting
+from elastiserve.platforms import ConfigError, FastGemm, current_platform
+from elastiserve.platforms.env import triton_interpret
+
+FULL, WEIGHT_ONLY, FP8 = 0, 1, 2
+MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
+FP8_MIN_M = 128  # below this the weight-only path reads the same bytes and skips the quantization launch
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+_SCALE_FLOOR = 1e-8
+
+
+@triton.jit
+def decode_weight_tile(u, low, MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr):
+    """uint8 upper (and lower) tiles -> the tile tl.dot consumes (fp16, or fp8 for MODE == FP8)."""
+    if MODE == 0:
+        u16 = u.to(tl.uint16)
+        l16 = low.to(tl.uint16)
+        carry = l16 >> 7
+        if NESTING == 1:  # E4M3: mantissa bit 7 is in both bytes; the top exponent bit is known zero
+            hi = (u16 & 0x80) | (((u16 - carry) >> 1) & 0x3F)
+        else:  # E5M2: upper was rounded half away from zero
+            hi = u16 - carry
+        return ((hi << 8) | l16).to(tl.float16, bitcast=True)
+    elif MODE == 1:
+        u16 = u.to(tl.uint16)
+        if NESTING == 1:  # E4M3FN value / 256 (~ w): same exponent field as fp16 with E[4] = 0
+            bits = ((u16 & 0x80) << 8) | ((u16 & 0x7F) << 7)
+        else:
+            bits = u16 << 8
+        return bits.to(tl.float16, bitcast=True)
+    else:
+        if FNUZ:
+            v = tl.where(u == 0x80, 0, u).to(tl.uint8)  # -0 in OCP is NaN in FNUZ
+            if NESTING == 1:
+                return v.to(tl.float8e4b8, bitcast=True)
+            return v.to(tl.float8e5b16, bitcast=True)
+        return u  # the launcher passed the plane already viewed as its OCP fp8 dtype: no register bitcast
+
+
+@triton.jit
+def _nested_gemm_kernel(
+    x_ptr, x_scale_ptr, upper_ptr, lower_ptr, bias_ptr, out_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ln, stride_lk, stride_os, stride_om, stride_on,
+    w_scale,
+    MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row tiles sweep N together so their x tiles stay in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
+
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        offs_k = k_start + kk + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w_off = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        if EVEN_K:  # no K mask: keeps the loads fully vectorized
+            w_mask = mask_n[:, None]
+        else:
+            w_mask = mask_n[:, None] & mask_k[None, :]
+        if MODE == 2 and not FNUZ:  # fp8 pointer
+            u = tl.load(upper_ptr + w_off, mask=w_mask, other=0.0)
+        else:
+            u = tl.load(upper_ptr + w_off, mask=w_mask, other=0)
+        if MODE == 0:
+            low = tl.load(lower_ptr + offs_n[:, None] * stride_ln + offs_k[None, :] * stride_lk, mask=w_mask, other=0)
+        else:
+            low = u
+        w = decode_weight_tile(u, low, MODE, NESTING, FNUZ)  # [BLOCK_N, BLOCK_K]
+        if SWAP_AB:
+            if EVEN_K:
+                x_mask = mask_m[None, :]
+            else:
+                x_mask = mask_m[None, :] & mask_k[:, None]
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_mask, other=0.0)
+            acc = tl.dot(w, xt, acc)
+        else:
+            if EVEN_K:
+                x_mask = mask_m[:, None]
+            else:
+                x_mask = mask_m[:, None] & mask_k[None, :]
+            xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_mask, other=0.0)
+            acc = tl.dot(xa, tl.trans(w), acc)
+
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if MODE == 2:
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+        acc = acc * (x_scale[:, None] * w_scale)
+    out_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_off, acc.to(tl.float16), mask=out_mask)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, SPLIT_K):
+        acc += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
+                               ROUND_IN_SOFTWARE: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs = k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), FP8_MAX)
+    tl.store(scale_ptr + row, scale)
+    for k in range(0, K, BLOCK_K):
+        offs = k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as the reference
+        if ROUND_IN_SOFTWARE:
+            # The Triton 3.6 interpreter's fp32 -> fp8 cast drops the carry when rounding crosses a power of two
+            # (126.8 -> 64). Round to 3 mantissa bits here (RNE on the fp32 bits) so the cast is exact.
+            bits = q.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+            q = bits.to(tl.float32, bitcast=True)
+        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def activation_fp8_dtype(fnuz: bool) -> torch.dtype:
+    return torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
+
+
+def quantize_per_token(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row e4m3 quantization: (x_fp8[M, K], scale[M] fp32) with x ~ x_fp8 * scale."""
+    m, k = x.shape
+    dtype = activation_fp8_dtype(fnuz)
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m:
+        block_k = min(1024, triton.next_power_of_2(max(k, 16)))
+        _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=_FP8_MAX[dtype],
+                                         ROUND_IN_SOFTWARE=triton_interpret(), BLOCK_K=block_k, num_warps=4)
+    return q, scale
+
+
+def upper_for_kernel(upper: torch.Tensor, nesting: int, mode: str, fnuz: bool) -> torch.Tensor:
+    """OCP fp8 mode reads the plane through an fp8 pointer (zero-copy view) so tiles go straight to the MMA."""
+    if mode == "fp8" and not fnuz:
+        return formats.upper_as_fp8(upper, Nesting(nesting))[0]
+    return upper
+
+
+def weight_scale(nesting: int, mode: str, fnuz: bool) -> float:
+    if mode != "fp8":
+        return 1.0
+    base = formats.E4M3_WEIGHT_SCALE if nesting == Nesting.E4M3 else formats.E5M2_WEIGHT_SCALE
+    return base * 2.0 if fnuz else base  # an OCP byte read as FNUZ is value / 2
+
+
+def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
+                nesting: int, mode: str, *, fnuz: bool = False,
+                config: configs.GemmConfig | None = None) -> torch.Tensor:
+    """Launch the Triton kernel(s): x fp16 [M, K], planes uint8 [N, K] -> fp16 [M, N]."""
+    if x.dim() != 2 or x.dtype != torch.float16:
+        raise ValueError(f"x must be 2-D fp16, got {tuple(x.shape)} {x.dtype}")
+    if upper.shape != lower.shape or upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
+        raise ValueError("upper and lower must be uint8 planes of one shape")
+    if nesting not in (Nesting.E4M3, Nesting.E5M2):
+        raise ValueError(f"nesting must be E4M3 or E5M2, got {nesting}")
+    m, k = x.shape
+    n = upper.shape[0]
+    if upper.shape[1] != k:
+        raise ValueError(f"x has K={k} but the weight planes are {tuple(upper.shape)}")
+    out = torch.empty((m, n), dtype=torch.float16, device=x.device)
+    if m == 0:
+        return out
+    platform = current_platform()
+    if config is None:
+        config = configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)
+    if mode == "fp8" and config.block_k < 32:
+        raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
+    x_scale = x  # placeholder pointer when unused
+    if mode == "fp8":
+        x, x_scale = quantize_per_token(x, fnuz)
+    split = config.split_k
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
+    _nested_gemm_kernel[grid](
+        x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower, bias if bias is not None else x, target,
+        m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
+        x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
+        target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
+        weight_scale(nesting, mode, fnuz),
+        MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, HAS_BIAS=bias is not None,
+        SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else out, out, m, n, SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
+    return out
+
+
+def fast_mode_for(m: int) -> str:
+    """Which fast-mode kernel this platform runs for an M-row input."""
+    platform = current_platform()
+    if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= FP8_MIN_M:
+        return "fp8"
+    return "weight_only"
+
+
+def _is_fnuz() -> bool:
+    return current_platform().fast_gemm is FastGemm.FP8_MMA_FNUZ
+
+
+@torch.library.custom_op("elastiserve::nested_linear", mutates_args=())
+def nested_linear_op(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
+                     nesting: int, fast: bool) -> torch.Tensor:
+    mode = fast_mode_for(x.shape[0]) if fast else "full"
+    if current_platform().kernel_backend == "reference":
+        return nested_linear_ref(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz())
+    return nested_gemm(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz())
+
+
+@nested_linear_op.register_fake
+def _(x, upper, lower, bias, nesting, fast):
+    return x.new_empty((x.shape[0], upper.shape[0]))
+
+
+@torch.library.custom_op("elastiserve::quantize_per_token", mutates_args=())
+def quantize_per_token_op(x: torch.Tensor, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if current_platform().kernel_backend == "reference":
+        return quantize_per_token_ref(x, fnuz)
+    return quantize_per_token(x, fnuz)
+
+
+@quantize_per_token_op.register_fake
+def _(x, fnuz):
+    return x.new_empty(x.shape, dtype=activation_fp8_dtype(fnuz)), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+# ---- pure-torch references ------------------------------------------------------------------------------------
+
+
+def quantize_per_token_ref(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = activation_fp8_dtype(fnuz)
+    fp8_max = _FP8_MAX[dtype]
+    xf = x.float()
+    scale = xf.abs().amax(dim=1).clamp_min(_SCALE_FLOOR) / fp8_max
+    q = (xf / scale[:, None]).clamp(-fp8_max, fp8_max).to(dtype)
+    return q, scale
+
+
+def reference_weight(upper: torch.Tensor, lower: torch.Tensor, nesting: int, mode: str,
+                     fnuz: bool = False) -> torch.Tensor:
+    """The fp32 weight each mode multiplies by (fp8 mode: the upper value times its scale)."""
+    if mode == "full":
+        return formats.merge(upper, lower, Nesting(nesting)).float()
+    if mode == "weight_only":
+        return formats.upper_as_fp16(upper, Nesting(nesting)).float()
+    if fnuz:
+        u = torch.where(upper == 0x80, torch.zeros_like(upper), upper)
+        fp8 = torch.float8_e4m3fnuz if nesting == Nesting.E4M3 else torch.float8_e5m2fnuz
+        return u.view(fp8).float() * weight_scale(nesting, mode, True)
+    value, scale = formats.upper_as_fp8(upper, Nesting(nesting))
+    return value.float() * scale
+
+
+def nested_linear_ref(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
+                      nesting: int, mode: str, *, fnuz: bool = False) -> torch.Tensor:
+    """fp32 math, fp16 out: what every kernel mode must match."""
+    w = reference_weight(upper, lower, nesting, mode, fnuz)
+    if mode == "fp8":
+        q, scale = quantize_per_token_ref(x, fnuz)
+        y = (q.float() @ w.T) * scale[:, None]
+    else:
+        y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.float16)

@@ -1,0 +1,166 @@
+"""``NestedLinear``: an ``nn.Linear`` replacement holding a nested fp16 weight, switchable full <-> fast.
+
+A layer that cannot nest (range, dtype, non-finite) keeps its 16-bit weight and runs ``F.linear`` in both modes.
+``nest_model`` converts every ``nn.Linear`` of an ordinary PyTorch / transformers model in place and reports why
+each unnested layer stayed 16-bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elastiserve.kernels import formats
+from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.nested_gemm import nested_linear_op
+from elastiserve.platforms import ConfigError
+
+PRECISION_MODES = ("full", "fast")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PRECISION_MODES:
+        raise ConfigError(f"precision mode must be one of {PRECISION_MODES}, got {mode!r}")
+
+
+def to_fp16_for_nesting(weight: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+    """The fp16 weight to nest, or (None, reason) when the cast would change values."""
+    if weight.dtype == torch.float16:
+        return weight, "fp16"
+    if weight.dtype == torch.bfloat16:
+        cast = formats.bf16_to_fp16_checked(weight)
+        if cast is None:
+            return None, "bf16 not exactly representable in fp16"
+        return cast, "bf16 cast to fp16 exactly"
+    if weight.dtype == torch.float32:
+        if not bool(torch.isfinite(weight).all()) or float(weight.abs().max()) > 65504:
+            return None, "fp32 outside the fp16 range"
+        return weight.to(torch.float16), "fp32 rounded to fp16"
+    return None, f"dtype {weight.dtype} is not a 16/32-bit float"
+
+
+class NestedLinear(nn.Module):
+    """y = x @ W.T + b with W as ``upper``/``lower`` uint8 planes (or a plain 16-bit ``weight`` when unnested)."""
+
+    def __init__(self, in_features: int, out_features: int, nesting: Nesting, *, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.nesting = Nesting(nesting)
+        self.fast = False
+        shape = (out_features, in_features)
+        if self.nesting is Nesting.NONE:
+            self.register_buffer("weight", torch.zeros(shape, dtype=dtype, device=device))
+            self.upper = self.lower = None
+        else:
+            self.weight = None
+            self.register_buffer("upper", torch.zeros(shape, dtype=torch.uint8, device=device))
+            self.register_buffer("lower", torch.zeros(shape, dtype=torch.uint8, device=device))
+        bias_dtype = torch.float16 if self.nesting is not Nesting.NONE else dtype
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> tuple[NestedLinear, str]:
+        """Build from an ``nn.Linear``; returns the module and the reason for its nesting kind."""
+        weight = linear.weight.detach()
+        fp16, cast_note = to_fp16_for_nesting(weight)
+        if fp16 is None:
+            nesting, reason = Nesting.NONE, cast_note
+        else:
+            nesting, reason = formats.choose_nesting(fp16)
+            reason = f"{cast_note}; {reason}"
+        has_bias = linear.bias is not None
+        keep_dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16
+        module = cls(linear.in_features, linear.out_features, nesting, bias=has_bias, device=weight.device,
+                     dtype=keep_dtype)
+        if nesting is Nesting.NONE:
+            module.weight = weight.to(keep_dtype).clone() if fp16 is None else fp16.to(keep_dtype).clone()
+            if has_bias:
+                module.bias = linear.bias.detach().to(keep_dtype).clone()
+        else:
+            module.upper, module.lower = formats.split(fp16.contiguous(), nesting)
+            if has_bias:
+                module.bias = linear.bias.detach().to(torch.float16).clone()
+        return module, reason
+
+    @property
+    def is_nested(self) -> bool:
+        return self.nesting is not Nesting.NONE
+
+    def set_mode(self, mode: str) -> None:
+        _check_mode(mode)
+        self.fast = mode == "fast"
+
+    def bind_lower(self, plane: torch.Tensor) -> None:
+        """Replace ``lower`` by an externally owned uint8 view (e.g. into the SUM residual range); no copy."""
+        if not self.is_nested:
+            raise ConfigError("bind_lower on a layer that is not nested")
+        if plane.shape != self.upper.shape or plane.dtype != torch.uint8 or plane.device != self.upper.device:
+            raise ConfigError(f"lower plane must be uint8 {tuple(self.upper.shape)} on {self.upper.device}, got "
+                              f"{plane.dtype} {tuple(plane.shape)} on {plane.device}")
+        if plane.stride(-1) != 1:
+            raise ConfigError("lower plane must be contiguous along K")
+        self.lower = plane  # assigning a tensor to a registered buffer name keeps it a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_nested:
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features).to(torch.float16)
+        y = nested_linear_op(x2d, self.upper, self.lower, self.bias, int(self.nesting), self.fast)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, nesting={self.nesting.name}, fast={self.fast}"
+
+
+@dataclass
+class NestingReport:
+    """Per-layer nesting kind and the reason, by qualified module name."""
+
+    layers: dict[str, tuple[Nesting, str]] = field(default_factory=dict)
+
+    def count(self, nesting: Nesting) -> int:
+        return sum(1 for kind, _ in self.layers.values() if kind is nesting)
+
+    @property
+    def unnested(self) -> dict[str, str]:
+        return {name: reason for name, (kind, reason) in self.layers.items() if kind is Nesting.NONE}
+
+    def summary(self) -> str:
+        return ", ".join(f"{kind.name}: {self.count(kind)}" for kind in Nesting)
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return name in skip or last in skip
+
+
+def nest_model(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",)) -> NestingReport:
+    """Replace every ``nn.Linear`` (except names in ``skip``) by a ``NestedLinear``, in place."""
+    report = NestingReport()
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name, linear in targets:
+        if _skipped(name, skip):
+            report.layers[name] = (Nesting.NONE, "skipped by name (left as nn.Linear)")
+            continue
+        nested, reason = NestedLinear.from_linear(linear)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, nested)
+        report.layers[name] = (nested.nesting, reason)
+    return report
+
+
+def set_mode(model: nn.Module, mode: str) -> int:
+    """Switch every ``NestedLinear`` of ``model`` to ``mode``; returns how many nested layers changed mode."""
+    _check_mode(mode)
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, NestedLinear):
+            changed += module.is_nested and module.fast != (mode == "fast")
+            module.set_mode(mode)
+    return changed

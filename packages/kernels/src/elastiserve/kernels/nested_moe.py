@@ -1,0 +1,182 @@
+"""Grouped nested-weight GEMM over expert-sorted tokens (Qwen3-MoE / Mixtral expert MLPs).
+
+``y[t] = x_sorted[t] @ W_e.T`` for the rows ``expert_offsets[e]:expert_offsets[e+1]`` of each expert ``e``, with
+``W_e`` held as ``upper[E, N, K]`` / ``lower[E, N, K]`` uint8 planes, in full or fast mode (same modes as
+``nested_gemm``). Routing, sorting and the weighted combine belong to the engine.
+
+The tile -> expert map is built on the device with torch ops (``build_tile_map``): the grid is the static upper
+bound ``cdiv(T, BLOCK_M) + E`` row tiles, padding tiles run zero K iterations, so there is no host sync and the
+op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from elastiserve.kernels import configs
+from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.nested_gemm import (
+    MODE_IDS,
+    _is_fnuz,
+    decode_weight_tile,
+    fast_mode_for,
+    quantize_per_token,
+    quantize_per_token_ref,
+    reference_weight,
+    upper_for_kernel,
+    weight_scale,
+)
+from elastiserve.platforms import current_platform
+
+
+@triton.jit
+def _nested_moe_kernel(
+    x_ptr, x_scale_ptr, upper_ptr, lower_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    N, K,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_le, stride_ln, stride_lk, stride_om, stride_on,
+    w_scale,
+    MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + tile)
+    valid = expert >= 0
+    expert = tl.maximum(expert, 0)
+    row_start = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    k_len = tl.where(valid, K, 0)  # padding tiles loop zero times and store nothing
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = (offs_m < row_end) & valid
+    mask_n = offs_n < N
+    w_base = upper_ptr + expert.to(tl.int64) * stride_we
+    l_base = lower_ptr + expert.to(tl.int64) * stride_le
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swap-AB: experts see few tokens each
+    for k in range(0, k_len, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w_off = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        if EVEN_K:
+            w_mask = mask_n[:, None]
+            x_mask = mask_m[None, :]
+        else:
+            w_mask = mask_n[:, None] & mask_k[None, :]
+            x_mask = mask_m[None, :] & mask_k[:, None]
+        if MODE == 2 and not FNUZ:  # fp8 pointer
+            u = tl.load(w_base + w_off, mask=w_mask, other=0.0)
+        else:
+            u = tl.load(w_base + w_off, mask=w_mask, other=0)
+        if MODE == 0:
+            low = tl.load(l_base + offs_n[:, None] * stride_ln + offs_k[None, :] * stride_lk, mask=w_mask, other=0)
+        else:
+            low = u
+        w = decode_weight_tile(u, low, MODE, NESTING, FNUZ)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_mask, other=0.0)
+        acc = tl.dot(w, xt, acc)
+
+    acc = tl.trans(acc)
+    if MODE == 2:
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+        acc = acc * (x_scale[:, None] * w_scale)
+    out_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptr + out_off, acc.to(tl.float16), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def build_tile_map(expert_offsets: torch.Tensor, num_tokens: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile_expert, tile_row_start) int32 of static length cdiv(T, block_m) + E; expert -1 marks padding."""
+    num_experts = expert_offsets.numel() - 1
+    offsets = expert_offsets.to(torch.int64)
+    counts = offsets[1:] - offsets[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles, 0)
+    max_tiles = triton.cdiv(num_tokens, block_m) + num_experts
+    index = torch.arange(max_tiles, device=expert_offsets.device)
+    expert = torch.searchsorted(tile_ends, index, right=True)
+    valid = expert < num_experts
+    expert = expert.clamp(max=num_experts - 1)
+    first_tile = tile_ends[expert] - tiles[expert]
+    row_start = offsets[expert] + (index - first_tile) * block_m
+    tile_expert = torch.where(valid, expert, torch.full_like(expert, -1))
+    return tile_expert.to(torch.int32), row_start.to(torch.int32)
+
+
+def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
+                    nesting: int, mode: str, *, fnuz: bool = False,
+                    config: configs.GemmConfig | None = None) -> torch.Tensor:
+    """Launch the grouped kernel: x_sorted fp16 [T, K], planes uint8 [E, N, K], offsets int32 [E+1] -> [T, N]."""
+    if x_sorted.dim() != 2 or x_sorted.dtype != torch.float16:
+        raise ValueError(f"x_sorted must be 2-D fp16, got {tuple(x_sorted.shape)} {x_sorted.dtype}")
+    if upper.dim() != 3 or upper.shape != lower.shape or upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
+        raise ValueError("upper and lower must be uint8 [E, N, K] planes of one shape")
+    num_experts, n, k = upper.shape
+    if expert_offsets.shape != (num_experts + 1,) or x_sorted.shape[1] != k:
+        raise ValueError(f"shapes disagree: x {tuple(x_sorted.shape)}, planes {tuple(upper.shape)}, "
+                         f"offsets {tuple(expert_offsets.shape)}")
+    t = x_sorted.shape[0]
+    out = torch.empty((t, n), dtype=torch.float16, device=x_sorted.device)
+    if t == 0:
+        return out
+    platform = current_platform()
+    if config is None:
+        # Rows per expert, not T, decide the tile: with top-k routing an expert sees about T / E * k rows.
+        per_expert = max(1, t // num_experts)
+        config = configs.choose_config(platform.arch, mode, per_expert, n, k, platform.num_sms)
+    x, x_scale = x_sorted, x_sorted
+    if mode == "fp8":
+        x, x_scale = quantize_per_token(x_sorted, fnuz)
+    offsets = expert_offsets.to(torch.int32)
+    tile_expert, tile_row = build_tile_map(offsets, t, config.block_m)
+    grid = (tile_expert.numel(), triton.cdiv(n, config.block_n))
+    _nested_moe_kernel[grid](
+        x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower, out, tile_expert, tile_row, offsets,
+        n, k,
+        x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), upper.stride(2),
+        lower.stride(0), lower.stride(1), lower.stride(2), out.stride(0), out.stride(1),
+        weight_scale(nesting, mode, fnuz),
+        MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, EVEN_K=k % config.block_k == 0,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+@torch.library.custom_op("elastiserve::nested_moe", mutates_args=())
+def nested_moe_op(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
+                  nesting: int, fast: bool) -> torch.Tensor:
+    mode = fast_mode_for(x_sorted.shape[0]) if fast else "full"
+    if current_platform().kernel_backend == "reference":
+        return nested_moe_ref(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz())
+    return nested_moe_gemm(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz())
+
+
+@nested_moe_op.register_fake
+def _(x_sorted, upper, lower, expert_offsets, nesting, fast):
+    return x_sorted.new_empty((x_sorted.shape[0], upper.shape[1]))
+
+
+# ---- pure-torch reference ---------------------------------------------------------------------------------------
+
+
+def nested_moe_ref(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
+                   nesting: int, mode: str, *, fnuz: bool = False) -> torch.Tensor:
+    """Per-expert fp32 matmul, fp16 out (reads the offsets on the host: a reference, not a graph-capturable op)."""
+    n = upper.shape[1]
+    if mode == "fp8":
+        q, scale = quantize_per_token_ref(x_sorted, fnuz)
+        xf = q.float() * scale[:, None]
+    else:
+        xf = x_sorted.float()
+    out = torch.zeros((x_sorted.shape[0], n), dtype=torch.float32, device=x_sorted.device)
+    bounds = expert_offsets.tolist()
+    for e, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end > start:
+            w = reference_weight(upper[e], lower[e], Nesting(nesting), mode, fnuz)
+            out[start:end] = xf[start:end] @ w.T
+    return out.to(torch.float16)

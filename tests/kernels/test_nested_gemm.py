@@ -1,0 +1,153 @@
+"""Pins the nested GEMM kernels against pure-torch math, on CPU (interpreted Triton) and on the GPU.
+
+full mode == x @ W_fp16.T in fp32 then fp16 (W rebuilt exactly from the planes); weight-only fast mode == x @
+upper_as_fp16.T; fp8 mode == its per-token-quantized reference, and within an SQNR floor of the fp16 result;
+split-K and non-swapped tiles agree; the activation quantizer is bit-exact; the ``elastiserve::nested_linear`` and
+``elastiserve::quantize_per_token`` ops pass ``torch.library.opcheck``. Shapes are small and odd on CPU
+(M not a multiple of the tile), real Llama sizes on CUDA.
+"""
+
+import pytest
+import torch
+
+from elastiserve.kernels import formats, nested_gemm
+from elastiserve.kernels.configs import GemmConfig
+from elastiserve.kernels.formats import Nesting
+
+pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
+
+WEIGHT_STD = {Nesting.E4M3: 0.05, Nesting.E5M2: 4.0}
+SQNR_FLOOR_DB = {Nesting.E4M3: 30.0, Nesting.E5M2: 20.0}  # E5M2 keeps 2 mantissa bits: ~25 dB by itself
+
+
+def _shapes(device: torch.device) -> list[tuple[int, int, int]]:
+    if device.type == "cpu":
+        return [(1, 48, 40), (5, 48, 64), (33, 48, 40)]
+    return [(1, 4096, 4096), (256, 4096, 4096), (4096, 4096, 4096), (37, 6144, 4096), (16, 4096, 14336)]
+
+
+def _problem(m, n, k, nesting, device, seed=0, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * WEIGHT_STD[nesting]).half()
+    x = torch.randn(m, k, generator=gen).half()
+    b = torch.randn(n, generator=gen).half() if bias else None
+    upper, lower = formats.split(w, nesting)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(x), to(w), to(b), to(upper), to(lower)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+
+
+def _sqnr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    noise = (got.float() - want.float()).pow(2).sum().clamp_min(1e-30)
+    return float(10 * torch.log10(want.float().pow(2).sum() / noise))
+
+
+def _exact(x, w, b):
+    y = x.float() @ w.float().T
+    return (y if b is None else y + b.float()).half()
+
+
+@pytest.mark.parametrize("nesting", [Nesting.E4M3, Nesting.E5M2])
+def test_full_mode_matches_fp16_gemm(device, nesting):
+    for m, n, k in _shapes(device):
+        x, w, b, upper, lower = _problem(m, n, k, nesting, device, bias=m % 2 == 1)
+        y = nested_gemm.nested_gemm(x, upper, lower, b, nesting, "full")
+        assert y.shape == (m, n) and y.dtype == torch.float16
+        assert _rel_err(y, _exact(x, w, b)) < 1e-2, (m, n, k)
+
+
+@pytest.mark.parametrize("nesting", [Nesting.E4M3, Nesting.E5M2])
+def test_weight_only_matches_reference(device, nesting):
+    for m, n, k in _shapes(device):
+        x, w, b, upper, lower = _problem(m, n, k, nesting, device)
+        y = nested_gemm.nested_gemm(x, upper, lower, b, nesting, "weight_only")
+        ref = nested_gemm.nested_linear_ref(x, upper, lower, b, nesting, "weight_only")
+        assert _rel_err(y, ref) < 2e-3, (m, n, k)
+        assert _sqnr_db(y, _exact(x, w, b)) > SQNR_FLOOR_DB[nesting]
+
+
+@pytest.mark.parametrize("nesting", [Nesting.E4M3, Nesting.E5M2])
+def test_fp8_matches_reference(device, nesting):
+    for m, n, k in _shapes(device):
+        x, w, b, upper, lower = _problem(m, n, k, nesting, device)
+        y = nested_gemm.nested_gemm(x, upper, lower, b, nesting, "fp8")
+        ref = nested_gemm.nested_linear_ref(x, upper, lower, b, nesting, "fp8")
+        assert _rel_err(y, ref) < 1e-2, (m, n, k)
+        assert _sqnr_db(y, _exact(x, w, b)) > SQNR_FLOOR_DB[nesting], (m, n, k)
+
+
+def test_fnuz_reinterpretation_reference_matches_ocp():
+    """MI300 path: OCP bytes read as FNUZ with 0x80 -> 0 and scale 2^-7 give the same weights."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # NaN codes never appear in a nested layer
+    for nesting in (Nesting.E4M3, Nesting.E5M2):
+        if nesting == Nesting.E5M2:
+            codes = codes[(codes & 0x7C) != 0x7C]  # inf/NaN
+        ocp = nested_gemm.reference_weight(codes[None], codes[None], nesting, "fp8", fnuz=False)
+        fnuz = nested_gemm.reference_weight(codes[None], codes[None], nesting, "fp8", fnuz=True)
+        assert torch.equal(ocp, fnuz)
+
+
+@pytest.mark.parametrize("mode", ["full", "weight_only", "fp8"])
+def test_tile_variants_agree(device, mode):
+    m, n, k = (5, 48, 40) if device.type == "cpu" else (64, 4096, 4096)
+    x, _, b, upper, lower = _problem(m, n, k, Nesting.E4M3, device)
+    base = nested_gemm.nested_linear_ref(x, upper, lower, b, Nesting.E4M3, mode)
+    # block_k >= 32: fp8 tl.dot needs K >= 32 on NVIDIA
+    variants = [GemmConfig(16, 32, 32, swap_ab=False), GemmConfig(16, 16, 32, split_k=2),
+                GemmConfig(32, 16, 32, split_k=3, swap_ab=False)]
+    for config in variants:
+        y = nested_gemm.nested_gemm(x, upper, lower, b, Nesting.E4M3, mode, config=config)
+        assert _rel_err(y, base) < 1e-2, config
+
+
+def test_corrupted_lower_plane_is_caught(device):
+    """The full-mode tolerance is tight enough to see a wrong residual plane."""
+    x, w, b, upper, lower = _problem(5, 48, 64, Nesting.E4M3, device)
+    y = nested_gemm.nested_gemm(x, upper, lower ^ 0x80, b, Nesting.E4M3, "full")
+    assert _rel_err(y, _exact(x, w, b)) > 1e-2
+
+
+def test_quantize_per_token_bit_exact(device):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 300, generator=gen) * torch.logspace(-3, 3, 7)[:, None]).half().to(device)
+    x[3] = 0  # an all-zero row must not divide by zero
+    q, scale = nested_gemm.quantize_per_token(x)
+    q_ref, scale_ref = nested_gemm.quantize_per_token_ref(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_op_matches_launcher(device):
+    x, _, b, upper, lower = _problem(5, 48, 40, Nesting.E4M3, device)
+    full = torch.ops.elastiserve.nested_linear(x, upper, lower, b, int(Nesting.E4M3), False)
+    fast = torch.ops.elastiserve.nested_linear(x, upper, lower, b, int(Nesting.E4M3), True)
+    fast_mode = nested_gemm.fast_mode_for(x.shape[0])
+    assert _rel_err(full, nested_gemm.nested_linear_ref(x, upper, lower, b, 1, "full")) < 1e-2
+    assert _rel_err(fast, nested_gemm.nested_linear_ref(x, upper, lower, b, 1, fast_mode)) < 1e-2
+    assert not torch.equal(full, fast)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_opcheck_nested_linear(device, fast):
+    x, _, b, upper, lower = _problem(3, 32, 32, Nesting.E5M2, device)
+    torch.library.opcheck(torch.ops.elastiserve.nested_linear.default, (x, upper, lower, b, int(Nesting.E5M2), fast))
+    torch.library.opcheck(torch.ops.elastiserve.nested_linear.default, (x, upper, lower, None, 1, fast))
+
+
+def test_opcheck_quantize_per_token(device):
+    x = torch.randn(3, 40).half().to(device)
+    torch.library.opcheck(torch.ops.elastiserve.quantize_per_token.default, (x, False))
+
+
+def test_launcher_rejects_bad_inputs(device):
+    x, _, b, upper, lower = _problem(3, 32, 32, Nesting.E4M3, device)
+    with pytest.raises(ValueError):
+        nested_gemm.nested_gemm(x.float(), upper, lower, b, 1, "full")
+    with pytest.raises(ValueError):
+        nested_gemm.nested_gemm(x, upper, lower[:, :16], b, 1, "full")
+    with pytest.raises(ValueError):
+        nested_gemm.nested_gemm(x, upper, lower, b, 0, "full")
