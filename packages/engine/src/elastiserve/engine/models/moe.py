@@ -1,0 +1,88 @@
+"""Sparse MoE: top-k softmax routing and expert compute over stacked expert weights.
+
+Expert weights are stacked ``w_gate_up[E, 2 * I, H]`` (gate rows first, then up) and ``w_down[E, H, I]`` so that a
+grouped GEMM (``torch.ops.elastiserve.nested_moe`` on the GPU) can take them as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from elastiserve.engine.models.layers import silu_and_mul
+
+# grouped_gemm(x_sorted[M, K], weight[E, N, K], group_offsets[E + 1] int64) -> [M, N]
+# Rows group_offsets[e]:group_offsets[e + 1] of x_sorted belong to expert e and are multiplied by weight[e]^T.
+GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grouped_gemm_reference(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+    out = x_sorted.new_empty(x_sorted.shape[0], weight.shape[1])
+    bounds = group_offsets.tolist()
+    for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end > start:
+            out[start:end] = x_sorted[start:end] @ weight[expert].t()
+    return out
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in fp32, keep the top k; renormalised, that equals a softmax over the k logits.
+
+    Returns (topk_weights[T, k] fp32, topk_ids[T, k] int64).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    grouped_gemm: GroupedGemm = grouped_gemm_reference,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x[T, H]; returns [T, H] in x's dtype."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w_gate_up.shape[0]
+    flat_ids = topk_ids.reshape(-1)
+    # A stable sort keeps each expert's rows in token order, which makes the result independent of the GEMM path.
+    order = torch.argsort(flat_ids, stable=True)
+    source_token = order // top_k
+    # scatter_add rather than bincount: bincount reads max(ids) back to the host, which breaks CUDA graph capture.
+    group_offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
+    group_offsets[1:].scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    group_offsets[1:] = group_offsets[1:].cumsum(dim=0)
+
+    x_sorted = x[source_token]
+    hidden = silu_and_mul(grouped_gemm(x_sorted, w_gate_up, group_offsets))
+    expert_out = grouped_gemm(hidden, w_down, group_offsets)
+    weighted = expert_out.float() * topk_weights.reshape(-1)[order].unsqueeze(-1)
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, source_token, weighted)
+    return out.to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + stacked experts. ``grouped_gemm`` is the hook the runner replaces with the nested kernel."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.grouped_gemm: GroupedGemm = grouped_gemm_reference
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+        return moe_experts(x, topk_ids, topk_weights, self.w_gate_up, self.w_down, self.grouped_gemm)

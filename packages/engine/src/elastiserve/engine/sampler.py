@@ -1,0 +1,101 @@
+"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+
+Rows with temperature 0 take the argmax. The others are scaled, masked by top-k then top-p (both computed on the
+temperature-scaled distribution, the order vLLM and HF use), and drawn with the exponential-race trick
+(argmax of p / Exp(1) noise), which samples from p exactly and needs one random draw per vocabulary entry.
+A row whose params carry a seed draws its noise from its own torch.Generator, so its tokens do not depend on what
+else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+_GREEDY_EPS = 1e-5
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence,
+        generators: Mapping[int, torch.Generator] | Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """logits[B, V] fp32, one SamplingParams-like object per row (temperature, top_k, top_p).
+
+        ``generators``: row index -> torch.Generator on logits' device for seeded rows (a list with None for unseeded
+        rows also works). Returns token ids [B] int64 on logits' device.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(params):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
+        logits = logits.float()
+        greedy_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
+        if not random_rows:
+            return greedy_ids
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = sampling_probs(
+            logits[rows],
+            temperatures=[params[i].temperature for i in random_rows],
+            top_ks=[params[i].top_k for i in random_rows],
+            top_ps=[params[i].top_p for i in random_rows],
+        )
+        noise = _exponential_noise(probs, [_generator_for(generators, i) for i in random_rows])
+        greedy_ids[rows] = (probs / noise).argmax(dim=-1)
+        return greedy_ids
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float]
+) -> torch.Tensor:
+    """The distribution each row samples from: softmax(logits / T) restricted to top-k, then top-p, renormalised."""
+    device = logits.device
+    scaled = logits / torch.tensor(temperatures, dtype=torch.float32, device=device).unsqueeze(1)
+    # Each mask sorts the whole vocabulary; skip it when no row asks for it (the common decode case).
+    if any(0 < k < logits.shape[-1] for k in top_ks):
+        scaled = apply_top_k(scaled, torch.tensor(top_ks, device=device))
+    if any(p < 1.0 for p in top_ps):
+        scaled = apply_top_p(scaled, torch.tensor(top_ps, dtype=torch.float32, device=device))
+    return torch.softmax(scaled, dim=-1)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (k <= 0 or k >= V: keep all); ties with the k-th value are kept."""
+    vocab = logits.shape[-1]
+    k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    kth_value = sorted_logits.gather(-1, (k - 1).unsqueeze(1).long())
+    return logits.masked_fill(logits < kth_value, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (always at least the top one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with p >= 1 keep everything; the guard stops fp32 cumsum rounding from dropping the least likely token.
+    drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _generator_for(generators, row: int) -> torch.Generator | None:
+    if generators is None:
+        return None
+    if isinstance(generators, Mapping):
+        return generators.get(row)
+    return generators[row]
+
+
+def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    # exponential_ may return exactly 0 on some back-ends; p / 0 would be inf (or nan for p = 0).
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny)

@@ -1,0 +1,151 @@
+"""Tokenizer over HF ``tokenizers`` (tokenizer.json): encode/decode, streaming detokenizer, chat template."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from elastiserve.platforms import ConfigError, ElastiserveError
+
+
+class ChatTemplateError(ElastiserveError, ValueError):
+    """The model's chat template rejected the messages (it called raise_exception) or has none."""
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, tokenizer_config: dict, eos_token_ids: Sequence[int] = ()) -> None:
+        self.backend = backend
+        self.config = tokenizer_config
+        self.chat_template: str | None = tokenizer_config.get("chat_template")
+        self.bos_token = _token_text(tokenizer_config.get("bos_token"))
+        self.eos_token = _token_text(tokenizer_config.get("eos_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        eos = [*eos_token_ids, *([self._id_of(self.eos_token)] if self.eos_token else [])]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos if i is not None))
+        self.pad_token_id = self._id_of(_token_text(tokenizer_config.get("pad_token")))
+        self.add_bos_token = bool(tokenizer_config.get("add_bos_token", False))
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            raise ConfigError(f"{model_dir} has no tokenizer.json")
+        backend = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        model_eos = _read_json(model_dir / "config.json").get("eos_token_id")
+        model_eos = [model_eos] if isinstance(model_eos, int) else list(model_eos or [])
+        return cls(backend, config, model_eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; special-token text such as ``<|im_start|>`` maps to its id. BOS only if the model adds one."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: object
+    ) -> str:
+        """Render the model's chat template (jinja2, sandboxed, the environment options transformers uses)."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **template_kwargs,
+        )
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for streamed tokens; the concatenated deltas equal ``decode(all output ids)``.
+
+    Byte-level BPE can split one UTF-8 character over several tokens, so text that ends in U+FFFD is held back
+    until the character completes. Only a short window of earlier tokens is decoded each step (O(1) per token),
+    which is enough because a byte-level decode of a suffix equals the suffix of the decode.
+    """
+
+    WINDOW = 6  # tokens of context kept before the unread ones; a UTF-8 character spans at most 4 byte tokens
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_ids)[-self.WINDOW :]
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def add(self, new_token_ids: Sequence[int]) -> str:
+        self.token_ids.extend(new_token_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full_text = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""  # an incomplete character, or tokens that render to nothing (yet)
+        delta = full_text[len(prefix_text) :]
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(0, self.read_offset - self.WINDOW)
+        # Drop ids that fell out of the window so memory stays bounded on long generations.
+        if self.prefix_offset > 0:
+            self.token_ids = self.token_ids[self.prefix_offset :]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is held back (an incomplete character decodes as U+FFFD)."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full_text = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        delta = full_text[len(prefix_text) :]
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(message)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def _token_text(token: str | dict | None) -> str | None:
+    # tokenizer_config.json spells special tokens either as strings or as AddedToken dicts.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
