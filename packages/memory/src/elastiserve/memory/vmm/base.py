@@ -68,3 +68,12 @@ def device_tensor_view(va: int, nbytes: int, device: torch.device) -> torch.Tens
     if tensor.data_ptr() != va:  # torch would have copied: the view must alias the mapping
         raise VMMError(f"torch.as_tensor copied the range at {va:#x} instead of aliasing it")
     return tensor
+
+
+def cuda_device_index(device: torch.device | int | str | None) -> int:
+    import torch
+
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from elastiserve.memory.errors import BackendUnavailable, VMMError
-from elastiserve.memory.vmm.base import check_aligned, device_tensor_view
+from elastiserve.memory.vmm.base import check_aligned, cuda_device_index, device_tensor_view
 
 
 def _import_driver() -> Any:
@@ -33,7 +33,7 @@ class CudaBackend:
         if not torch.cuda.is_available() or torch.version.hip is not None:
             raise BackendUnavailable("the CUDA VMM back-end needs an NVIDIA GPU visible to torch")
         self._cu = driver if driver is not None else _import_driver()
-        index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index or 0
+        index = cuda_device_index(device)
         self._device = torch.device("cuda", index)
         torch.empty(1, device=self._device)  # make torch initialise CUDA (and its primary context) first
         self._thread_state = threading.local()
