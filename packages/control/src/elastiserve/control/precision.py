@@ -1,0 +1,78 @@
+"""DPS precision policy (section IV-D): evict residual weights into KV under pressure, restore with hysteresis.
+
+The policy is stateless: the evicted layers, restorable layers and occupancy come in the observation, and changes
+apply between steps (batch-aligned). Whole-model granularity flips every layer to fast at once, the DPS design;
+per-layer granularity evicts only the k = ceil(shortage_units / units_per_layer) layers a shortage needs.
+Restore goes one layer at a time, only when occupancy < kappa_low, no shortage is pending, that layer's units are
+all FREE, and at least ``restore_min_free_units`` more units stay free afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from elastiserve.control.config import PrecisionConfig
+from elastiserve.control.observation import ALL_LAYERS, StepObservation
+
+
+def layers_for_shortage(shortage_blocks: int, blocks_per_unit: int, units_per_layer: int) -> int:
+    """k = ceil(shortage_units / units_per_layer) with shortage_units = ceil(shortage_blocks / blocks_per_unit)."""
+    if shortage_blocks <= 0 or units_per_layer <= 0:
+        return 0
+    shortage_units = math.ceil(shortage_blocks / blocks_per_unit)
+    return math.ceil(shortage_units / units_per_layer)
+
+
+class PrecisionPolicy:
+    def __init__(self, config: PrecisionConfig) -> None:
+        self.config = config
+
+    def resident_layers(self, obs: StepObservation) -> list[int]:
+        return [layer for layer in range(obs.residual_layers) if layer not in obs.evicted_layers]
+
+    def over_high_watermark(self, obs: StepObservation) -> bool:
+        """Whole model: occupancy of the FP16 budget above kappa_high. Per layer: occupancy of what is mapped now
+        (otherwise every evicted layer would leave the signal high and the next step would evict another)."""
+        if self.config.granularity == "model":
+            return obs.occupancy > self.config.kappa_high
+        return obs.used_blocks > self.config.kappa_high * obs.total_blocks
+
+    def plan_eviction(self, obs: StepObservation, shortage_blocks: int) -> tuple[int, ...] | Literal["all"]:
+        """Layers whose residual units become KV capacity this step, or ``()``."""
+        resident = self.resident_layers(obs)
+        if not resident:
+            return ()
+        if self.config.static_fast:
+            return ALL_LAYERS
+        pressured = shortage_blocks > 0 or self.over_high_watermark(obs)
+        if not pressured:
+            return ()
+        if self.config.granularity == "model":
+            return ALL_LAYERS
+        k = max(1, layers_for_shortage(shortage_blocks, obs.blocks_per_unit, obs.units_per_layer))
+        return tuple(resident[:k])
+
+    def freed_blocks(self, obs: StepObservation, layers: tuple[int, ...] | Literal["all"]) -> int:
+        """KV blocks the eviction adds (residual units of layers that are still resident)."""
+        count = len(self.resident_layers(obs)) if layers == ALL_LAYERS else len(layers)
+        return count * obs.blocks_per_layer
+
+    def is_calm(self, obs: StepObservation, shortage_blocks: int) -> bool:
+        """Below the low threshold with nothing short: the condition whose duration the dwell measures."""
+        return shortage_blocks <= 0 and obs.occupancy < self.config.kappa_low
+
+    def plan_restore(self, obs: StepObservation, shortage_blocks: int, calm_for_s: float = math.inf) -> tuple[int, ...]:
+        """At most one layer to restore now (``()`` when the hysteresis, dwell or free-unit conditions fail)."""
+        if self.config.static_fast or obs.restore_in_flight or shortage_blocks > 0:
+            return ()
+        if calm_for_s < self.config.restore_dwell_s:
+            return ()
+        if not obs.evicted_layers or obs.occupancy >= self.config.kappa_low:
+            return ()
+        if obs.free_units < obs.units_per_layer + self.config.restore_min_free_units:
+            return ()
+        for layer in obs.restorable_layers:
+            if layer in obs.evicted_layers:
+                return (layer,)
+        return ()

@@ -1,0 +1,377 @@
+"""One simulated serving replica: continuous batching, FCFS, chunked prefill under a token budget, preemption by
+recompute, and the control plane (``Arbiter``) deciding demotion / eviction / promotion / restore each step."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from itertools import chain, islice
+
+from elastiserve.control.arbiter import Arbiter
+from elastiserve.control.config import ControlConfig
+from elastiserve.control.events import EventLog
+from elastiserve.control.kv_fidelity import capacity_guard
+from elastiserve.control.metrics import ExposureMeter, ModeMeter, RequestRecord
+from elastiserve.control.observation import ALL_LAYERS, Decision, StepObservation, rank_demotable_streams
+from elastiserve.control.pool import KVPoolModel, make_pool
+from elastiserve.control.sim_sequence import PromotionInFlight, SimSequence
+from elastiserve.control.step_model import StepModel
+from elastiserve.control.workloads import Request
+from elastiserve.platforms import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    native_blocks: int = 4096
+    block_size: int = 16
+    residual_layers: int = 32
+    units_per_layer: int = 104
+    blocks_per_unit: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    pool: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.native_blocks < 1 or self.block_size < 1 or self.blocks_per_unit < 1:
+            raise ConfigError("native_blocks, block_size and blocks_per_unit must be >= 1")
+        if self.native_blocks % self.blocks_per_unit:
+            raise ConfigError("native_blocks must be a whole number of units")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("need max_num_seqs >= 1 and a token budget of at least one token per sequence")
+
+
+class Replica:
+    def __init__(self, rc: ReplicaConfig, control: ControlConfig, step_model: StepModel,
+                 pool: KVPoolModel | None = None) -> None:
+        self.rc, self.control, self.sm = rc, control, step_model
+        self.pool = pool or make_pool(rc.pool, rc.native_blocks // rc.blocks_per_unit, rc.residual_layers,
+                                      rc.units_per_layer, rc.blocks_per_unit)
+        a_max = capacity_guard(rc.max_num_seqs, rc.max_num_batched_tokens, rc.block_size)
+        self.arbiter = Arbiter(control, a_max)
+        self.allow_backed = control.uses_eviction
+        self.now, self.step = 0.0, 0
+        self.waiting: deque[SimSequence] = deque()
+        self.running: list[SimSequence] = []
+        self.records: list[RequestRecord] = []
+        self.events = EventLog()
+        self.exposure = ExposureMeter()
+        self.modes = ModeMeter(rc.residual_layers)
+        self.link_free_at = 0.0
+        self.restoring: tuple[int, float] | None = None
+        self.promotions: list[tuple[float, SimSequence, int]] = []
+        self._was_fast = False
+        self._preempted_now: set[int] = set()
+
+    # ---- intake ---------------------------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        record = RequestRecord(request.req_id, request.arrival, request.prompt_tokens, request.output_tokens)
+        self.records.append(record)
+        self.waiting.append(SimSequence(request, record))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting or self.promotions or self.restoring)
+
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- observation ------------------------------------------------------------------------------------------
+    def _plan(self) -> tuple[int, int, list[tuple[SimSequence, int]]]:
+        """Dry run of the scheduler without memory limits: (required blocks, total demand, prefill chunks)."""
+        bs = self.rc.block_size
+        required, budget, chunks = 0, self.rc.max_num_batched_tokens, []
+        for seq in self.running:
+            if seq.computed >= seq.prefill_target:  # decoding: a new block exactly when the last one is full
+                required += seq.computed >= len(seq.blocks) * bs
+                budget -= 1
+        admissions = 0
+        slots = self.rc.max_num_seqs - len(self.running)
+        for seq in chain([s for s in self.running if s.prefilling], self.waiting):
+            if budget <= 0:
+                break
+            is_new = seq.state == "waiting"
+            if is_new:
+                if slots <= 0:
+                    break
+                slots -= 1
+            chunk = min(seq.remaining_prompt, budget)
+            need = seq.blocks_needed(chunk, bs)
+            budget -= chunk
+            chunks.append((seq, chunk))
+            if is_new:
+                admissions += need
+            else:
+                required += need
+        if self.control.kv.demand_includes_admissions or not self.control.uses_demotion:
+            return required, required + admissions, chunks
+        return required, required, chunks
+
+    def _may_evict(self) -> bool:
+        """Whether the eviction policy could act without a probed shortage (high-occupancy trigger, static FP8)."""
+        if not self.control.uses_eviction or len(self.pool.evicted_layers()) == self.pool.num_layers:
+            return False
+        used = self.pool.total_blocks() - self.pool.free_block_count()
+        return used > 0.9 * self.control.precision.kappa_high * self.pool.native_blocks() or \
+            self.control.precision.static_fast
+
+    def _needs_pair_detail(self, demand: int | None) -> bool:
+        """Counting eligible pairs walks every running sequence: do it only when demotion could be asked for."""
+        if not self.control.uses_demotion:
+            return False
+        free = self.pool.free_block_count()
+        kv = self.control.kv
+        if kv.demotion_trigger == "watermark" and free < kv.watermark:
+            return True
+        return demand is not None and demand > free
+
+    def _committed_blocks(self) -> int:
+        """Capacity that progress already needs: the rest of admitted prefills, plus (when configured) the prompts of
+        queued requests that would fit in free sequence slots. Promotion must not take it (it is opportunistic)."""
+        bs = self.rc.block_size
+        committed = sum(s.remaining_prefill_blocks(bs) for s in self.running)
+        if self.control.kv.reserve_queued_demand:
+            slots = max(0, self.rc.max_num_seqs - len(self.running))
+            committed += sum(-(-s.prefill_target // bs) for s in islice(self.waiting, slots))
+        return committed
+
+    def _restorable(self, evicted: frozenset[int]) -> tuple[int, ...]:
+        """Restorable layers, asked of the pool only when the precision policy could restore at all."""
+        if not evicted or self.restoring or self.control.precision.static_fast:
+            return ()
+        used = self.pool.total_blocks() - self.pool.free_block_count()
+        if used >= self.control.precision.kappa_low * self.pool.native_blocks():
+            return ()
+        return self.pool.plan_restore()
+
+    def observe(self, demand: int | None, required: int, detail: bool = False, f_post: bool = False) -> StepObservation:
+        """With ``f_post`` the free count is ElasticKV's F_post: free blocks minus those admitted prefills will take."""
+        bs, kv = self.rc.block_size, self.control.kv
+        eligible = resident = 0
+        if detail:
+            eligible = sum(s.eligible_pairs(bs, kv.sink_pairs, kv.recent_pairs) for s in self.running)
+            resident = sum(s.complete_pairs(bs) for s in self.running)
+        base = sum(len(s.base_pairs) for s in self.running) if self.control.uses_demotion else 0
+        promoting = sum(len(s.promoting) for s in self.running) if self.promotions else 0
+        evicted = self.pool.evicted_layers()
+        free = self.pool.free_block_count()
+        if f_post:
+            free = max(0, free - self._committed_blocks())
+        return StepObservation(
+            step=self.step, now=self.now, free_blocks=free,
+            total_blocks=self.pool.total_blocks(), native_blocks=self.pool.native_blocks(),
+            demand_blocks=demand, required_blocks=required, blocks_per_unit=self.pool.blocks_per_unit,
+            backed_units=self.pool.backed_units(), residual_layers=self.pool.num_layers,
+            units_per_layer=self.pool.units_per_layer, fast_layers=evicted, evicted_layers=evicted,
+            restorable_layers=self._restorable(evicted), free_units=self.pool.free_units(),
+            target_pairs_eligible=eligible, base_pairs=base, resident_pairs=resident,
+            base_pairs_promotable=base - promoting, promotions_in_flight=len(self.promotions),
+            restore_in_flight=self.restoring is not None,
+            transfer_slack=len(self.promotions) < kv.max_promotions_in_flight,
+            running=len(self.running), waiting=len(self.waiting),
+        )
+
+    # ---- applying decisions -----------------------------------------------------------------------------------
+    def _apply_pressure(self, d: Decision) -> int:
+        if d.evict_residual_layers:
+            layers = range(self.pool.num_layers) if d.evict_residual_layers == ALL_LAYERS else d.evict_residual_layers
+            todo = [x for x in layers if x not in self.pool.evicted_layers()]
+            self.pool.evict_layers(todo)
+            self.events.add(self.now, self.step, "evict_residual", len(todo), "; ".join(d.reasons))
+        demoted = 0
+        if d.demote_pairs:
+            kv, bs = self.control.kv, self.rc.block_size
+            streams = [s.pair_infos(bs, kv.sink_pairs, kv.recent_pairs) for s in self.running]
+            by_id = {s.seq_id: s for s in self.running}
+            chosen = rank_demotable_streams(streams, d.demote_pairs)
+            released = [by_id[p.seq_id].demote(p.pair_index) for p in chosen]
+            self.pool.free_blocks(released)
+            demoted = len(released)
+            self.events.add(self.now, self.step, "demote", demoted, "; ".join(d.reasons))
+        return demoted
+
+    def _preempt_last(self) -> SimSequence:
+        victim = self.running.pop()
+        self._release(victim)
+        victim.reset_for_recompute()
+        victim.state = "waiting"
+        self.waiting.appendleft(victim)
+        self._preempted_now.add(victim.seq_id)
+        self.events.add(self.now, self.step, "preempt", 1, "allocation failed for running work")
+        return victim
+
+    def _release(self, seq: SimSequence) -> None:
+        if seq.promoting:
+            self.promotions = [p for p in self.promotions if p[1] is not seq]
+        self.pool.free_blocks(seq.physical_blocks())
+
+    def _alloc(self, seq: SimSequence, n: int) -> bool:
+        if n == 0:
+            return True
+        evicted_before = len(self.pool.evicted_layers()) if self.allow_backed else 0
+        got = self.pool.alloc_blocks(n, allow_backed=self.allow_backed)
+        if got is None:
+            return False
+        if self.allow_backed and len(self.pool.evicted_layers()) > evicted_before:
+            self.events.add(self.now, self.step, "evict_residual", 1, "allocation took a BACKED unit")
+        seq.blocks.extend(got)
+        return True
+
+    def _alloc_running(self, seq: SimSequence, n: int) -> bool:
+        """Allocate for running work, preempting the newest running sequences (recompute) until it fits."""
+        while not self._alloc(seq, n):
+            victim = self._preempt_last()
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule(
+        self, chunks: list[tuple[SimSequence, int]]
+    ) -> tuple[list[SimSequence], list[tuple[SimSequence, int]]]:
+        bs, decodes = self.rc.block_size, []
+        self._preempted_now: set[int] = set()
+        for seq in list(self.running):
+            if seq.state != "running" or seq.computed < seq.prefill_target:
+                continue
+            need = 1 if seq.computed >= len(seq.blocks) * bs else 0
+            if need == 0 or self._alloc_running(seq, need):
+                decodes.append(seq)
+        prefills = []
+        for seq, chunk in chunks:
+            if seq.state == "running":
+                if not self._alloc_running(seq, seq.blocks_needed(chunk, bs)):
+                    continue
+            elif seq.seq_id in self._preempted_now or not self.waiting or self.waiting[0] is not seq:
+                break  # preempted this step, or no longer at the head: FCFS stops here
+            elif self._alloc(seq, seq.blocks_needed(chunk, bs)):
+                self.waiting.popleft()
+                seq.state = "running"
+                self.running.append(seq)
+            else:
+                break  # FCFS: later requests wait too
+            prefills.append((seq, chunk))
+        # A later allocation may have preempted a sequence scheduled earlier in this step.
+        decodes = [s for s in decodes if s.state == "running"]
+        prefills = [(s, c) for s, c in prefills if s.state == "running"]
+        return decodes, prefills
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def run_step(self) -> bool:
+        """One scheduling step; returns False when nothing could run (the caller advances time)."""
+        self._complete_transfers()
+        required, demand, chunks = self._plan()
+        probe = self.arbiter.should_probe(self.pool.free_block_count())
+        probed = demand if probe else None
+        demoted = 0
+        kv = self.control.kv
+        watermark_low = kv.demotion_trigger == "watermark" and self.pool.free_block_count() < kv.watermark
+        if probed is None and not watermark_low and not self._may_evict():
+            self.arbiter.skip_pressure()
+        else:
+            obs = self.observe(probed, required, self._needs_pair_detail(probed))
+            demoted = self._apply_pressure(self.arbiter.decide_pressure(obs))
+        decodes, prefills = self._schedule(chunks)
+        self._note_mode()
+        if not decodes and not prefills:
+            self._recover()
+            return False
+        self._execute(decodes, prefills, demoted)
+        self._recover()
+        self.step += 1
+        return True
+
+    def _execute(self, decodes: list[SimSequence], prefills: list[tuple[SimSequence, int]], demoted: int) -> None:
+        bs = self.rc.block_size
+        batch = decodes + [s for s, _ in prefills]
+        prefill_tokens = sum(c for _, c in prefills)
+        context = prefill_tokens + len(decodes)
+        base_ctx = base_read = pairs_read = 0
+        step = self.step
+        for s in batch:
+            context += s.computed
+            s.last_used_step = step
+            pairs = (len(s.blocks) + 1) // 2
+            pairs_read += pairs
+            s.record.pair_reads += pairs
+            if s.base_pairs:
+                base = len(s.base_pairs)
+                base_read += base
+                base_ctx += min(s.computed, 2 * bs * base)
+                s.record.base_pair_reads += base
+        fast_layers = len(self.pool.evicted_layers())
+        fast = fast_layers / max(1, self.pool.num_layers)
+        dt = self.sm.step_time(len(decodes) + prefill_tokens, context, base_ctx, fast, demoted)
+        self.exposure.add(dt, base_read, pairs_read)
+        self.modes.add(dt, fast_layers)
+        self.now += dt
+        for s in decodes:
+            s.computed += 1
+            self._emit(s)
+        for s, chunk in prefills:
+            s.computed += chunk
+            if s.computed >= s.prefill_target:
+                self._emit(s)
+
+    def _emit(self, seq: SimSequence) -> None:
+        seq.generated += 1
+        seq.record.token_times.append(self.now)
+        if seq.generated >= seq.request.output_tokens:
+            seq.record.finish = self.now
+            seq.state = "done"
+            self.running.remove(seq)
+            self._release(seq)
+
+    # ---- recovery: promotion and restore ------------------------------------------------------------------------
+    def _recover(self) -> None:
+        if not self.pool.evicted_layers() and not any(s.base_pairs for s in self.running):
+            self.arbiter.idle_recovery(self.now)  # nothing degraded: only the reserve decays
+            return
+        decision = self.arbiter.decide_recovery(self.observe(None, 0, f_post=True))
+        if decision.promote_pairs:
+            self._start_promotions(decision.promote_pairs, decision.reasons)
+        if decision.start_restore:
+            layer = decision.restore_layers[0]
+            self.pool.begin_restore(layer)
+            start = max(self.now, self.link_free_at)
+            self.link_free_at = start + self.pool.units_per_layer * self.sm.restore_per_unit_s
+            self.restoring = (layer, self.link_free_at)
+            self.events.add(self.now, self.step, "restore_start", 1, "; ".join(decision.reasons))
+
+    def _start_promotions(self, n: int, reasons: tuple[str, ...]) -> None:
+        # Most recently used sequences first: their BASE pairs are read again soonest.
+        candidates = [(s, p) for s in sorted(self.running, key=lambda s: -s.last_used_step)
+                      for p in sorted(s.base_pairs) if p not in s.promoting]
+        started = 0
+        for seq, pair in candidates[:n]:
+            fresh = self.pool.alloc_blocks(2)
+            if fresh is None:
+                break
+            start = max(self.now, self.link_free_at)
+            self.link_free_at = start + self.sm.promote_per_pair_s
+            seq.promoting[pair] = PromotionInFlight(pair, fresh, self.link_free_at)
+            self.promotions.append((self.link_free_at, seq, pair))
+            started += 1
+        if started:
+            self.events.add(self.now, self.step, "promote_start", started, "; ".join(reasons))
+
+    def _complete_transfers(self) -> None:
+        done = [p for p in self.promotions if p[0] <= self.now]
+        if done:
+            self.promotions = [p for p in self.promotions if p[0] > self.now]
+            self.pool.free_blocks([seq.publish_promotion(pair) for _, seq, pair in done])
+            self.events.add(self.now, self.step, "promote_done", len(done), "published")
+        if self.restoring and self.restoring[1] <= self.now:
+            self.pool.commit_restore(self.restoring[0])
+            self.restoring = None
+            self.events.add(self.now, self.step, "restore_done", 1, "residual copied back")
+        self._note_mode()
+
+    def _note_mode(self) -> None:
+        fast = bool(self.pool.evicted_layers())
+        if fast != self._was_fast:
+            self.events.add(self.now, self.step, "mode_fast" if fast else "mode_full", 1, "batch-aligned switch")
+            self._was_fast = fast
+
+    def next_wakeup(self) -> float | None:
+        """Earliest pending transfer completion, for an idle replica."""
+        times = [p[0] for p in self.promotions] + ([self.restoring[1]] if self.restoring else [])
+        return min(times) if times else None

@@ -1,0 +1,91 @@
+"""Command line: run presets (and optionally the ElasticKV ablations) over a trace window and print one table.
+
+    python -m elastiserve.control.simulate --trace azure --window 0:1200 --time-scale 0.2 --presets all
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from elastiserve.control.config import PRESETS, ControlConfig, preset
+from elastiserve.control.metrics import format_table
+from elastiserve.control.sim_replica import ReplicaConfig
+from elastiserve.control.simulator import SimConfig, simulate
+from elastiserve.control.step_model import load_step_model
+from elastiserve.control.workloads import load_trace
+from elastiserve.platforms import ConfigError
+
+ABLATIONS = {
+    "watermark-demotion": {"demotion_trigger": "watermark", "watermark": 256},
+    "eager-promotion": {"promotion": "eager"},
+    "no-promotion": {"promotion": "none"},
+}
+
+
+def ablation(name: str) -> ControlConfig:
+    """ElasticKV with one mechanism changed (paper App. C.7)."""
+    base = preset("elastickv").with_kv(**ABLATIONS[name])
+    return ControlConfig(name=name, kv=base.kv, precision=base.precision, arbiter=base.arbiter)
+
+
+def parse_window(text: str) -> tuple[int, int | None]:
+    start, _, count = text.partition(":")
+    try:
+        return int(start or 0), (int(count) if count else None)
+    except ValueError as exc:
+        raise ConfigError(f"--window wants START:COUNT, got {text!r}") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m elastiserve.control.simulate", description=__doc__)
+    p.add_argument("--trace", default="azure", help="azure, azure-window, mooncake, sharegpt, arxiv, sharegpt-v3")
+    p.add_argument("--window", default="0:1200", help="START:COUNT rows of the trace")
+    p.add_argument("--time-scale", type=float, default=0.2, help="multiply arrival offsets (0.2 = 5x faster)")
+    p.add_argument("--rate", type=float, default=None, help="replace arrivals with Gamma(cv) arrivals at this rate")
+    p.add_argument("--cv", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--presets", default="all", help=f"comma list of {PRESETS} or 'all'")
+    p.add_argument("--ablations", action="store_true", help="also run the ElasticKV ablation variants")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--router", default="least-loaded", choices=("least-loaded", "round-robin"))
+    p.add_argument("--native-blocks", type=int, default=4096, help="FP16 KV budget per replica, in blocks")
+    p.add_argument("--units-per-layer", type=int, default=32, help="residual units per decoder layer")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--step-model", type=Path, default=None, help="step-time JSON (default: packaged placeholder)")
+    p.add_argument("--trace-dir", type=Path, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = build_parser().parse_args(argv)
+    start, count = parse_window(args.window)
+    requests = load_trace(args.trace, start, count, rate=args.rate, cv=args.cv, seed=args.seed,
+                          time_scale=args.time_scale, trace_dir=args.trace_dir)
+    names = list(PRESETS) if args.presets == "all" else [n.strip() for n in args.presets.split(",")]
+    configs = [preset(n) for n in names] + ([ablation(a) for a in ABLATIONS] if args.ablations else [])
+    sim = SimConfig(
+        replica=ReplicaConfig(native_blocks=args.native_blocks, units_per_layer=args.units_per_layer,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        replicas=args.replicas, router=args.router,
+    )
+    step_model = load_step_model(args.step_model)
+    rows = []
+    for config in configs:
+        began = time.perf_counter()
+        summary = simulate(requests, config, sim, step_model).summary()
+        row = summary.row()
+        row["sim s"] = f"{time.perf_counter() - began:.1f}"
+        rows.append(row)
+    table = format_table(rows)
+    header = (f"{args.trace} rows {start}:{'' if count is None else start + count} ({len(requests)} requests), "
+              f"{args.replicas} replica(s), step model: {step_model.device} [{step_model.provenance[:40]}...]")
+    print(header)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()

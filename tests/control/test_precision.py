@@ -1,0 +1,60 @@
+"""Pins the DPS precision policy: fast on shortage or occupancy above kappa_high, restore one layer at a time only
+below kappa_low with the layer's units FREE and spare free units, per-layer k = ceil(shortage_units/units_per_layer)."""
+
+import pytest
+
+from elastiserve.control.config import PrecisionConfig
+from elastiserve.control.observation import ALL_LAYERS, StepObservation
+from elastiserve.control.precision import PrecisionPolicy, layers_for_shortage
+
+pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
+
+
+def obs(free, total=1000, native=1000, evicted=(), restorable=(), free_units=0, demand=None, **kw):
+    return StepObservation(step=0, now=0.0, free_blocks=free, total_blocks=total, native_blocks=native,
+                           demand_blocks=demand, blocks_per_unit=2, residual_layers=4, units_per_layer=10,
+                           evicted_layers=frozenset(evicted), fast_layers=frozenset(evicted),
+                           restorable_layers=tuple(restorable), free_units=free_units, **kw)
+
+
+def test_layers_for_shortage_by_hand():
+    assert layers_for_shortage(0, 2, 10) == 0
+    assert layers_for_shortage(1, 2, 10) == 1  # 1 unit -> 1 layer
+    assert layers_for_shortage(20, 2, 10) == 1  # 10 units -> exactly one layer
+    assert layers_for_shortage(21, 2, 10) == 2  # 11 units -> two layers
+    assert layers_for_shortage(5, 2, 0) == 0
+
+
+def test_model_granularity_switches_on_shortage_or_high_occupancy():
+    policy = PrecisionPolicy(PrecisionConfig(kappa_low=0.5, kappa_high=0.9))
+    assert policy.plan_eviction(obs(free=500), 0) == ()
+    assert policy.plan_eviction(obs(free=500), 3) == ALL_LAYERS
+    assert policy.plan_eviction(obs(free=50), 0) == ALL_LAYERS  # occupancy 0.95 > 0.9
+    assert policy.plan_eviction(obs(free=50, evicted=range(4)), 5) == ()  # nothing left to evict
+
+
+def test_layer_granularity_evicts_only_what_the_shortage_needs():
+    policy = PrecisionPolicy(PrecisionConfig(granularity="layer"))
+    assert policy.plan_eviction(obs(free=500), 21) == (0, 1)
+    assert policy.plan_eviction(obs(free=500, evicted=(0,), total=1020), 5) == (1,)
+    # Occupancy is judged against the mapped capacity, so an evicted layer does not re-trigger the next step.
+    assert policy.plan_eviction(obs(free=200, evicted=(0,), total=1020), 0) == ()
+
+
+def test_restore_hysteresis_and_free_units():
+    policy = PrecisionPolicy(PrecisionConfig(kappa_low=0.5, kappa_high=0.9, restore_min_free_units=2))
+    base = dict(evicted=(0, 1), total=1040, restorable=(1, 0))
+    assert policy.plan_restore(obs(free=700, free_units=12, **base), 0) == (1,)
+    assert policy.plan_restore(obs(free=400, free_units=12, **base), 0) == ()  # occupancy 0.64 >= kappa_low
+    assert policy.plan_restore(obs(free=700, free_units=11, **base), 0) == ()  # would leave < 2 free units
+    assert policy.plan_restore(obs(free=700, free_units=12, **base), 4) == ()  # shortage pending
+    assert policy.plan_restore(obs(free=700, free_units=12, restore_in_flight=True, **base), 0) == ()
+    assert policy.plan_restore(obs(free=700, free_units=12, evicted=(0, 1), total=1040), 0) == ()  # no FREE layer
+    assert policy.plan_restore(obs(free=700, free_units=12, **base), 0, calm_for_s=4.9) == ()  # dwell 5 s
+    assert policy.plan_restore(obs(free=700, free_units=12, **base), 0, calm_for_s=5.0) == (1,)
+
+
+def test_static_fast_never_restores():
+    policy = PrecisionPolicy(PrecisionConfig(static_fast=True))
+    assert policy.plan_eviction(obs(free=900), 0) == ALL_LAYERS
+    assert policy.plan_restore(obs(free=990, free_units=80, evicted=range(4), total=1080, restorable=(0,)), 0) == ()
