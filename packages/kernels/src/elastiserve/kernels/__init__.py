@@ -1,1 +1,40 @@
-"""Nested FP16/FP8 GEMM and elastic attention kernels."""
+"""elastiserve Triton kernels as torch custom ops (namespace ``torch.ops.elastiserve``), each with a pure-torch
+reference beside it. Importing this package registers every op."""
+
+from elastiserve.kernels import nested_moe  # noqa: F401  (registers elastiserve::nested_moe)
+from elastiserve.kernels.attention import paged_attention
+from elastiserve.kernels.attention_plan import (
+    GENERAL,
+    NATIVE,
+    STRUCTURED,
+    AttentionPlan,
+    AttentionPlanBuffers,
+    AttentionPlanConfig,
+    plan_attention,
+)
+from elastiserve.kernels.formats import Nesting, bf16_to_fp16_checked, choose_nesting
+from elastiserve.kernels.kv_ops import KVLayoutError, kv_demote, kv_promote, kv_write
+from elastiserve.kernels.nested_linear import NestedLinear, NestingReport, nest_model, set_mode
+
+__all__ = [
+    "GENERAL",
+    "NATIVE",
+    "STRUCTURED",
+    "AttentionPlan",
+    "AttentionPlanBuffers",
+    "AttentionPlanConfig",
+    "KVLayoutError",
+    "NestedLinear",
+    "Nesting",
+    "NestingReport",
+    "bf16_to_fp16_checked",
+    "choose_nesting",
+    "kv_demote",
+    "kv_promote",
+    "kv_write",
+    "nest_model",
+    "paged_attention",
+    "plan_attention",
+    "set_mode",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,221 @@
+"""Unified varlen causal attention over the paged, mixed-fidelity KV cache (``elastiserve::paged_attention``).
+
+Sequence ``b`` has ``seq_lens[b]`` KV tokens; its queries are the last ``q_len = qsl[b+1] - qsl[b]`` of them, so
+query ``j`` sees KV positions ``<= seq_len - q_len + j``. That covers prefill, chunked prefill and decode in one op.
+``path`` (chosen per batch by :func:`elastiserve.kernels.attention_plan.plan_attention`) says how pairs are read:
+0 native (all TARGET), 1 structured (``base_bounds[b] = [first, end)`` BASE pairs), 2 general (``pair_mode``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from elastiserve.kernels.attention_kernels import paged_attention_kernel, reduce_splits_kernel
+from elastiserve.kernels.kv_ops import KVLayoutError, base_halves, check_kv_cache
+from elastiserve.platforms import current_platform
+from elastiserve.platforms.env import triton_interpret
+
+LOG2_E = 1.4426950408889634
+TARGET_PAIRS_PER_TILE = 2  # 2 pairs = 4 blocks of fp16 K and V in flight per iteration
+BASE_PAIRS_PER_TILE = 4  # a BASE pair is one packed block: twice the pairs for the same bytes in flight
+MIN_PAIRS_PER_SPLIT = 8
+MAX_SPLITS = 16
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def choose_block_m(group_size: int, max_query_len: int) -> int:
+    rows = triton.next_power_of_2(max(1, max_query_len) * group_size)
+    return max(16, triton.next_power_of_2(group_size), min(rows, 64))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int) -> int:
+    """Flash-decoding split count: enough programs to fill the GPU about twice, never splits of under
+    MIN_PAIRS_PER_SPLIT pairs. Depends only on shapes, so a captured CUDA graph keeps it."""
+    programs = max(1, batch * num_kv_heads)
+    wanted = triton.cdiv(2 * max(num_sms, 1), programs)
+    max_pairs = triton.cdiv(max_blocks, 2)
+    return max(1, min(wanted, max_pairs // MIN_PAIRS_PER_SPLIT, MAX_SPLITS))
+
+
+def _check_inputs(q, kv_cache, block_tables, seq_lens, query_start_loc, path, base_bounds, pair_mode) -> None:
+    check_kv_cache(kv_cache)
+    if q.dim() != 3 or q.shape[2] != kv_cache.shape[5] or q.shape[1] % kv_cache.shape[3] != 0:
+        raise KVLayoutError(f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)} (GQA needs Hq % Hkv)")
+    if q.stride(-1) != 1:
+        raise KVLayoutError("q must be contiguous in its last dimension")
+    batch = seq_lens.shape[0]
+    if block_tables.dtype != torch.int32 or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        raise KVLayoutError("block_tables must be int32 [B, max_blocks] with unit stride along blocks")
+    if seq_lens.dtype != torch.int32 or query_start_loc.dtype != torch.int32 or query_start_loc.shape[0] != batch + 1:
+        raise KVLayoutError("seq_lens must be int32 [B] and query_start_loc int32 [B + 1]")
+    if path not in (0, 1, 2):
+        raise KVLayoutError(f"path must be 0 (native), 1 (structured) or 2 (general), got {path}")
+    if path == 1 and (base_bounds is None or base_bounds.dtype != torch.int32 or not base_bounds.is_contiguous()):
+        raise KVLayoutError("path 1 needs base_bounds: contiguous int32 [B, 2]")
+    if path == 2 and (pair_mode is None or pair_mode.dtype != torch.uint8 or pair_mode.stride(1) != 1):
+        raise KVLayoutError("path 2 needs pair_mode: uint8 [B, max_pairs] with unit stride along pairs")
+
+
+def _paged_attention_triton(
+    q, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale, max_query_len, path, base_bounds, pair_mode,
+    num_splits,
+) -> torch.Tensor:  # fmt: skip
+    out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
+    if batch == 0 or num_tokens == 0:
+        return out
+    group_size = num_q_heads // num_kv_heads
+    block_m = choose_block_m(group_size, max_query_len)
+    block_q = block_m // group_size
+    num_q_blocks = triton.cdiv(max(1, max_query_len), block_q)
+    if num_q_blocks > 1:
+        num_splits = 1  # splitting KV pays off only when one tile holds every query of a sequence (decode)
+    elif num_splits <= 0:
+        num_sms = current_platform().num_sms
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, num_sms)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    layer_view = kv_cache[:, layer]  # [N, 2, H, BS, D]; data_ptr includes the layer offset
+    bounds = base_bounds if path == 1 else seq_lens
+    modes = pair_mode if path == 2 else block_tables
+    if num_splits > 1:
+        splits_shape = (batch, num_kv_heads, num_splits)
+        part_acc = torch.empty((*splits_shape, block_m, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((*splits_shape, 2, block_m), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # never touched
+    grid = (batch, num_kv_heads, num_splits if num_splits > 1 else num_q_blocks)
+    paged_attention_kernel[grid](
+        q, out, layer_view,
+        block_tables, seq_lens, query_start_loc, bounds, modes,
+        part_acc, part_ml,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        layer_view.stride(0), layer_view.stride(1), layer_view.stride(2), layer_view.stride(3),
+        block_tables.stride(0), modes.stride(0),
+        group_size, head_dim, scale * LOG2_E,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d,
+        PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=BASE_PAIRS_PER_TILE, PATH=path, NUM_SPLITS=num_splits,
+        INTERPRETED=triton_interpret(),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    if num_splits > 1:
+        reduce_splits_kernel[(batch, num_kv_heads)](
+            out, query_start_loc, part_acc, part_ml, out.stride(0), out.stride(1), group_size, head_dim,
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("elastiserve::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    base_bounds: torch.Tensor | None = None,
+    pair_mode: torch.Tensor | None = None,
+    *,
+    scale: float,
+    max_query_len: int,
+    path: int,
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """Causal varlen attention of ``q[T, Hq, D]`` over layer ``layer`` of the paged KV cache.
+
+    ``base_bounds`` and ``pair_mode`` are positional in the schema (custom ops allow no keyword-only tensors) but
+    are best passed by keyword.
+
+    Parameters
+    ----------
+    q : fp16 [T, Hq, D]; rows ``query_start_loc[b]:query_start_loc[b+1]`` belong to sequence b.
+    kv_cache : fp16 [num_blocks, num_layers, 2, Hkv, block_size, D]; Hq must be a multiple of Hkv.
+    block_tables : int32 [B, max_blocks]; a BASE pair lists its packed block for both logical blocks.
+    seq_lens : int32 [B], KV tokens per sequence (queries included).
+    query_start_loc : int32 [B + 1].
+    scale : softmax scale; max_query_len : upper bound of q_len over the batch (sets the grid).
+    path : 0 native, 1 structured (``base_bounds`` int32 [B, 2]), 2 general (``pair_mode`` uint8 [B, max_pairs]).
+    num_splits : KV splits for decode (0 = choose from the shapes).
+
+    Returns fp16 [T, Hq, D]; rows past ``query_start_loc[B]`` are left unset.
+    """
+    _check_inputs(q, kv_cache, block_tables, seq_lens, query_start_loc, path, base_bounds, pair_mode)
+    if current_platform().kernel_backend == "triton":
+        return _paged_attention_triton(
+            q, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale, max_query_len, path,
+            base_bounds, pair_mode, num_splits,
+        )  # fmt: skip
+    return paged_attention_ref(
+        q, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale=scale, max_query_len=max_query_len,
+        path=path, base_bounds=base_bounds, pair_mode=pair_mode,
+    )  # fmt: skip
+
+
+@paged_attention.register_fake
+def _(q, kv_cache, layer, block_tables, seq_lens, query_start_loc, base_bounds=None, pair_mode=None, *,
+      scale, max_query_len, path, num_splits=0):  # fmt: skip
+    return torch.empty_like(q)
+
+
+# ------------------------------------------------------------------------------------ pure-torch reference
+
+
+def base_pair_mask(num_pairs: int, seq: int, path: int, base_bounds, pair_mode, device) -> torch.Tensor:
+    """bool [num_pairs]: which pairs of sequence ``seq`` are BASE under ``path``."""
+    if path == 0 or num_pairs == 0:
+        return torch.zeros(num_pairs, dtype=torch.bool, device=device)
+    if path == 1:
+        first, end = (int(x) for x in base_bounds[seq].tolist())
+        pairs = torch.arange(num_pairs, device=device)
+        return (pairs >= first) & (pairs < end)
+    return pair_mode[seq, :num_pairs].to(device) != 0
+
+
+def gather_kv(kv_cache, layer, block_row, seq_len: int, base_pairs: torch.Tensor):
+    """Dense K, V ``[Hkv, seq_len, D]`` of one sequence as attention reads them (BASE pairs as E5M2 values)."""
+    num_kv_heads, block_size, head_dim = kv_cache.shape[3:]
+    num_blocks = math.ceil(seq_len / block_size)
+    blocks = kv_cache[block_row[:num_blocks].long(), layer]  # [nb, 2, H, BS, D]
+    if bool(base_pairs.any()):
+        logical = torch.arange(num_blocks, device=blocks.device)
+        base = base_pairs[logical // 2]
+        half_a, half_b = base_halves(blocks)
+        shape = (num_blocks, 1, 1, 1, 1)
+        blocks = torch.where((base & (logical % 2 == 0)).view(shape), half_a, blocks)
+        blocks = torch.where((base & (logical % 2 == 1)).view(shape), half_b, blocks)
+    kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
+    return kv[0, :, :seq_len], kv[1, :, :seq_len]
+
+
+def paged_attention_ref(
+    q, kv_cache, layer, block_tables, seq_lens, query_start_loc, *, scale, max_query_len, path,
+    base_bounds=None, pair_mode=None,
+) -> torch.Tensor:  # fmt: skip
+    """Per-sequence dense attention in fp32 (vectorized over heads and tokens): the CPU engine's path."""
+    out = torch.zeros_like(q)
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
+    group_size = q.shape[1] // num_kv_heads
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(lens):
+        q_begin, q_end = starts[seq], starts[seq + 1]
+        q_len = q_end - q_begin
+        if q_len == 0:
+            continue
+        num_pairs = math.ceil(seq_len / (2 * block_size))
+        base = base_pair_mask(num_pairs, seq, path, base_bounds, pair_mode, kv_cache.device)
+        key, value = gather_kv(kv_cache, layer, block_tables[seq], seq_len, base)
+        queries = q[q_begin:q_end].float().view(q_len, num_kv_heads, group_size, -1).permute(1, 2, 0, 3)
+        scores = torch.einsum("hgqd,hkd->hgqk", queries, key.float()) * scale
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        attended = torch.einsum("hgqk,hkd->hgqd", probs, value.float())
+        out[q_begin:q_end] = attended.permute(2, 0, 1, 3).reshape(q_len, q.shape[1], -1).to(q.dtype)
+    return out
