@@ -1,0 +1,76 @@
+"""The paged ``AttentionContext`` the model calls once per layer, and the seam to ``elastiserve.kernels``' ops.
+
+Each step the runner fills one ``AttentionMetadata`` (views into preallocated buffers, so captured CUDA graphs see
+the same storage); ``attend`` writes the step's K/V into the cache (``kv_write``) and runs ``paged_attention`` over
+the whole context with the step's pair metadata. On the CPU the kernels' pure-torch references run directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+NATIVE, STRUCTURED, GENERAL = 0, 1, 2
+
+
+def kernel_ops(device: torch.device) -> SimpleNamespace:
+    """kv_write / paged_attention / kv_demote / kv_promote: the registered ops on a GPU, references on the CPU."""
+    from elastiserve.kernels import attention, kv_ops
+
+    if device.type == "cpu":
+        return SimpleNamespace(
+            kv_write=kv_ops.kv_write_ref,
+            paged_attention=attention.paged_attention_ref,
+            kv_demote=kv_ops.kv_demote_ref,
+            kv_promote=kv_ops.kv_promote_ref,
+        )
+    ops = torch.ops.elastiserve
+    return SimpleNamespace(
+        kv_write=ops.kv_write, paged_attention=ops.paged_attention, kv_demote=ops.kv_demote, kv_promote=ops.kv_promote
+    )
+
+
+def choose_path(pair_modes: list[list[int]], bounds: list[tuple[int, int] | None]) -> int:
+    """Native when no sequence reads BASE, structured when every BASE run is contiguous, else general."""
+    if not any(any(modes) for modes in pair_modes):
+        return NATIVE
+    return STRUCTURED if all(b is not None for b in bounds) else GENERAL
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    max_query_len: int
+    path: int
+    base_bounds: torch.Tensor | None = None  # int32 [B, 2] for the structured path
+    pair_mode: torch.Tensor | None = None  # uint8 [B, max_pairs] for the general path
+
+
+class PagedAttentionContext:
+    def __init__(self, kv_cache: torch.Tensor, scale: float, ops: SimpleNamespace) -> None:
+        self.kv_cache = kv_cache
+        self.scale = scale
+        self.ops = ops
+        self.metadata: AttentionMetadata | None = None
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.metadata
+        self.ops.kv_write(self.kv_cache, layer_idx, k, v, meta.slot_mapping)
+        return self.ops.paged_attention(
+            q.contiguous(),
+            self.kv_cache,
+            layer_idx,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            base_bounds=meta.base_bounds,
+            pair_mode=meta.pair_mode,
+            scale=self.scale,
+            max_query_len=meta.max_query_len,
+            path=meta.path,
+        )

@@ -1,0 +1,71 @@
+"""Engine configuration: one frozen dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastiserve.platforms import ConfigError
+
+POLICIES = ("static-fp16", "static-fp8", "dps", "elastickv", "combined")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("float16",)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float16"
+    device: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    gpu_memory_budget: int | None = None  # absolute cap in bytes, e.g. to emulate an 80 GB GPU on a bigger one
+    kv_cache_budget: int | None = None  # bytes for the KV pool; overrides the utilization-derived size
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # chunked-prefill token budget of one step
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    policy: str = "static-fp16"
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    host_backing_bytes: int | None = None  # host memory for demoted pairs' low bytes; None: as large as the KV pool
+    sink_pairs: int = 1  # leading pairs of each sequence never demoted (attention sinks)
+    recent_pairs: int = 2  # trailing complete pairs never demoted (recent tokens)
+    cpu_kv_blocks: int = 512  # KV pool size on the CPU, where there is no device memory to size from
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        if not self.model:
+            raise ConfigError("model must name a model directory or a known model name")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size}: expected a power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a value in (0, 1]")
+        for name in ("gpu_memory_budget", "kv_cache_budget", "host_backing_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name}={value}: expected a positive number or None")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "cpu_kv_blocks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: expected at least 1")
+        if self.sink_pairs < 0 or self.recent_pairs < 0:
+            raise ConfigError("sink_pairs and recent_pairs must be >= 0")
+        if self.max_model_len is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be positive")
+
+    @property
+    def uses_nested_weights(self) -> bool:
+        return self.policy in ("static-fp8", "dps", "combined")
+
+    @property
+    def uses_kv_demotion(self) -> bool:
+        return self.policy in ("elastickv", "combined")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")

@@ -1,0 +1,84 @@
+"""CUDA graphs for decode steps, keyed by (padded batch size, fast layers, attention path).
+
+A decode step of B sequences is padded to the next captured size; the graph reads the runner's preallocated input
+and metadata buffers, so a replay only needs those buffers refilled. Graphs are captured lazily the first time a key
+is seen (the warm-up run before capture executes the step for real, so the first use costs one extra forward);
+``capture_common`` captures the all-full native-path graphs up front. All graphs share one memory pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to ``max_num_seqs``."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+@dataclass(slots=True)
+class CapturedStep:
+    batch_size: int
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # output buffer of the captured forward, [batch_size, H]
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.hidden
+
+
+class GraphRunner:
+    def __init__(self, runner: Any, sizes: list[int]) -> None:
+        self.runner = runner
+        self.sizes = sizes
+        self.graphs: dict[tuple[int, frozenset[int], int], CapturedStep] = {}
+        self._pool: Any = None
+
+    def padded_size(self, num_seqs: int, is_decode: bool) -> int | None:
+        """The captured size a decode-only batch pads to; None for prefill steps or batches beyond the largest."""
+        if not is_decode:
+            return None
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def get(self, batch_size: int, path: int) -> CapturedStep:
+        key = (batch_size, self.runner.fast_layers, path)
+        step = self.graphs.get(key)
+        if step is None:
+            step = self._capture(batch_size, path)
+            self.graphs[key] = step
+        return step
+
+    def capture_common(self) -> None:
+        """Capture the full-mode native-path graph of every size, with inputs that write nothing."""
+        r = self.runner
+        for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its pool
+            r.slot_mapping[:size].fill_(-1)
+            r.seq_lens[:size].fill_(1)
+            r.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+            r.block_tables[:size].zero_()
+            self.get(size, 0)
+
+    def _capture(self, batch_size: int, path: int) -> CapturedStep:
+        r = self.runner
+        metadata = r.metadata_view(batch_size, batch_size, 1, path)
+        r.forward(batch_size, metadata)  # warm-up: runs the step (kernels compile/autotune outside capture)
+        torch.cuda.synchronize(r.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = r.forward(batch_size, metadata)
+        if self._pool is None:
+            self._pool = graph.pool()
+        log.debug("captured decode graph: batch %d, fast layers %d, path %d", batch_size, len(r.fast_layers), path)
+        return CapturedStep(batch_size, graph, hidden)

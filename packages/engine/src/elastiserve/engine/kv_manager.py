@@ -1,0 +1,287 @@
+"""Logical KV blocks, pair fidelity states and host-backing slots; plain Python, no torch.
+
+Logical blocks ``2p, 2p+1`` of a sequence form pair ``p``. TARGET holds two physical blocks; BASE holds one packed
+block listed for both logical blocks, with the low bytes of both in one host-backing slot; PROMOTING is still BASE for
+every reader while two fresh blocks are reserved, and becomes TARGET only when the runner reports the unpack done.
+Physical blocks come from a ``BlockPool``: in production the SUM bookkeeping of ``elastiserve.memory`` (Algorithm 1),
+where taking a BACKED unit makes a residual stale (fast mode next step); in tests a flat free list.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from elastiserve.engine.errors import EngineError
+from elastiserve.engine.sequence import PairState, Sequence
+
+
+class BlockPool(Protocol):
+    """Physical KV blocks; ``allocate`` is all-or-nothing and returns None when it cannot serve ``n``."""
+
+    num_blocks: int
+
+    def num_free(self, allow_backed: bool) -> int: ...
+
+    def allocate(self, n: int, allow_backed: bool) -> list[int] | None: ...
+
+    def free(self, blocks: Iterable[int]) -> None: ...
+
+    def drain_stale_layers(self) -> frozenset[int]: ...
+
+
+class FlatBlockPool:
+    """A free list of blocks with no shared region (static pools, CPU tests)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = [True] * num_blocks
+
+    def num_free(self, allow_backed: bool = False) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int, allow_backed: bool = False) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._is_free[b] = False
+        return blocks
+
+    def free(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self._is_free[b]:
+                raise EngineError(f"block {b} freed twice")
+            self._is_free[b] = True
+            self._free.append(b)
+
+    def drain_stale_layers(self) -> frozenset[int]:
+        return frozenset()
+
+
+class SumBlockPool:
+    """``BlockPool`` over ``elastiserve.memory.sum_state.SumState`` (Algorithm 1): taking a BACKED unit makes its
+    layer's residual stale; the engine reads those layers through ``drain_stale_layers`` (fast mode next step)."""
+
+    def __init__(self, state) -> None:  # state: SumState (imported lazily by the runner; plain Python)
+        self.state = state
+        self.num_blocks = sum(len(state.unit_blocks(u)) for u in range(state.num_units))
+        self._stale: set[int] = set()
+
+    def num_free(self, allow_backed: bool = False) -> int:
+        return self.state.num_free_blocks(include_backed=allow_backed)
+
+    def allocate(self, n: int, allow_backed: bool = False) -> list[int] | None:
+        if n == 0:
+            return []
+        if not self.state.can_alloc(n, allow_backed):
+            return None
+        result = self.state.alloc_blocks(n, allow_backed=allow_backed)
+        self._stale.update(chunk.layer for chunk in result.taken_residuals)
+        return list(result.blocks)
+
+    def free(self, blocks: Iterable[int]) -> None:
+        self.state.free_blocks(list(blocks))
+
+    def drain_stale_layers(self) -> frozenset[int]:
+        stale, self._stale = frozenset(self._stale), set()
+        return stale
+
+
+@dataclass(frozen=True, slots=True)
+class DemoteOp:
+    request_id: str
+    pair: int
+    block_a: int  # keeps the packed pair
+    block_b: int  # returns to the pool once the pack kernel is issued
+    slot: int  # host-backing slot receiving the low bytes of A and B
+
+
+@dataclass(frozen=True, slots=True)
+class PromoteOp:
+    request_id: str
+    pair: int
+    packed_block: int
+    dst_a: int
+    dst_b: int
+    slot: int
+
+
+@dataclass(slots=True)
+class ExposureCounter:
+    base_tokens: int = 0
+    attended_tokens: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.base_tokens / self.attended_tokens if self.attended_tokens else 0.0
+
+
+class KVManager:
+    def __init__(
+        self, pool: BlockPool, block_size: int, num_host_slots: int, *, sink_pairs: int = 1, recent_pairs: int = 2
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.sink_pairs = sink_pairs
+        self.recent_pairs = recent_pairs
+        self.allow_backed = False  # set by the engine from the policy each step
+        self.num_host_slots = num_host_slots
+        self._free_slots: deque[int] = deque(range(num_host_slots))
+        self._slots: dict[tuple[str, int], int] = {}  # (request, pair) -> host slot of a BASE/PROMOTING pair
+        self._promotions: dict[tuple[str, int], PromoteOp] = {}
+        self.exposure = ExposureCounter()
+        self.num_demotions = 0
+        self.num_promotions = 0
+
+    # ---- allocation ------------------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free(self.allow_backed)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks()
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens; False (and no change) when the pool is short."""
+        n = self.blocks_needed(seq, num_new_tokens)
+        if n == 0:
+            return True
+        blocks = self.pool.allocate(n, self.allow_backed)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        num_pairs = -(-len(seq.block_table) // 2)
+        seq.pair_states.extend([PairState.TARGET] * (num_pairs - len(seq.pair_states)))
+        return True
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Return every block, reserved promotion block and host slot of ``seq`` (finish, abort, preemption)."""
+        blocks = set(seq.block_table)
+        for pair in range(len(seq.pair_states)):
+            op = self._promotions.pop((seq.request_id, pair), None)
+            if op is not None:
+                blocks.update((op.dst_a, op.dst_b))
+            slot = self._slots.pop((seq.request_id, pair), None)
+            if slot is not None:
+                self._free_slots.append(slot)
+        self.pool.free(sorted(blocks))
+        seq.block_table.clear()
+        seq.pair_states.clear()
+
+    # ---- pairs -----------------------------------------------------------------------------------------------
+    def num_complete_pairs(self, seq: Sequence) -> int:
+        """Pairs whose two blocks are full of computed KV; the partially filled last pair is not complete."""
+        return min(seq.num_computed_tokens // (2 * self.block_size), len(seq.block_table) // 2)
+
+    def demotable_pairs(self, seq: Sequence) -> list[int]:
+        end = self.num_complete_pairs(seq) - self.recent_pairs
+        return [p for p in range(self.sink_pairs, end) if seq.pair_states[p] is PairState.TARGET]
+
+    def demotion_candidates(self, seqs: Iterable[Sequence]) -> list[tuple[Sequence, int]]:
+        """Eligible pairs, most recently arrived requests first; within one, the oldest middle pair first, so the
+        BASE region stays one contiguous run after the sinks (TARGET-BASE-TARGET, the structured path)."""
+        ordered = sorted(seqs, key=lambda s: s.arrival_time, reverse=True)
+        return [(seq, p) for seq in ordered for p in self.demotable_pairs(seq)]
+
+    def promotion_candidates(self, seqs: Iterable[Sequence]) -> list[tuple[Sequence, int]]:
+        """BASE pairs, earliest-arrived requests first (they are the most urgent to restore)."""
+        ordered = sorted(seqs, key=lambda s: s.arrival_time)
+        return [(s, p) for s in ordered for p, st in enumerate(s.pair_states) if st is PairState.BASE]
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def demote(self, seq: Sequence, pair: int) -> DemoteOp:
+        """Mark ``pair`` BASE; the caller packs A, copies the low bytes out, then calls ``release_demoted``."""
+        if pair not in self.demotable_pairs(seq):
+            raise EngineError(f"pair {pair} of {seq.request_id} is protected or not TARGET")
+        if not self._free_slots:
+            raise EngineError("demotion needs a free host-backing slot")
+        slot = self._free_slots.popleft()
+        block_a, block_b = seq.block_table[2 * pair], seq.block_table[2 * pair + 1]
+        seq.block_table[2 * pair + 1] = block_a
+        seq.pair_states[pair] = PairState.BASE
+        self._slots[(seq.request_id, pair)] = slot
+        self.num_demotions += 1
+        return DemoteOp(seq.request_id, pair, block_a, block_b, slot)
+
+    def release_demoted(self, ops: Iterable[DemoteOp]) -> None:
+        """Return the B blocks once the pack kernels are enqueued (later writes are stream-ordered after them)."""
+        self.pool.free([op.block_b for op in ops])
+
+    def begin_promote(self, seq: Sequence, pair: int) -> PromoteOp | None:
+        """Reserve two blocks for a BASE pair; None when the pool cannot spare them."""
+        if seq.pair_states[pair] is not PairState.BASE:
+            raise EngineError(f"pair {pair} of {seq.request_id} is not BASE")
+        blocks = self.pool.allocate(2, False)
+        if blocks is None:
+            return None
+        key = (seq.request_id, pair)
+        op = PromoteOp(seq.request_id, pair, seq.block_table[2 * pair], blocks[0], blocks[1], self._slots[key])
+        seq.pair_states[pair] = PairState.PROMOTING
+        self._promotions[key] = op
+        return op
+
+    def finish_promote(self, seq: Sequence, op: PromoteOp) -> None:
+        """Publish the unpacked blocks (the runner saw the event complete), then free the packed block and slot."""
+        key = (seq.request_id, op.pair)
+        if self._promotions.pop(key, None) is not op:
+            raise EngineError(f"promotion of pair {op.pair} of {seq.request_id} is not in flight")
+        seq.block_table[2 * op.pair] = op.dst_a
+        seq.block_table[2 * op.pair + 1] = op.dst_b
+        seq.pair_states[op.pair] = PairState.TARGET
+        self._free_slots.append(self._slots.pop(key))
+        self.pool.free([op.packed_block])
+        self.num_promotions += 1
+
+    def promotions_in_flight(self) -> list[PromoteOp]:
+        return list(self._promotions.values())
+
+    # ---- attention metadata and exposure ---------------------------------------------------------------------
+    @staticmethod
+    def pair_modes(seq: Sequence) -> list[int]:
+        """1 for a pair readers must treat as BASE (BASE or PROMOTING), 0 for TARGET."""
+        return [0 if s is PairState.TARGET else 1 for s in seq.pair_states]
+
+    @staticmethod
+    def base_bounds(seq: Sequence) -> tuple[int, int] | None:
+        """``[first, end)`` of the BASE pairs when they form one run (structured path); (0, 0) when none."""
+        base = [p for p, s in enumerate(seq.pair_states) if s is not PairState.TARGET]
+        if not base:
+            return (0, 0)
+        if base[-1] - base[0] + 1 != len(base):
+            return None
+        return (base[0], base[-1] + 1)
+
+    def base_tokens(self, seq: Sequence, seq_len: int) -> int:
+        """KV tokens among the first ``seq_len`` that attention reads from BASE pairs."""
+        pair_tokens = 2 * self.block_size
+        return sum(max(0, min(seq_len, (p + 1) * pair_tokens) - p * pair_tokens) for p in seq.base_pairs())
+
+    def record_exposure(self, seq: Sequence, seq_len: int) -> None:
+        base = self.base_tokens(seq, seq_len)
+        self.exposure.base_tokens += base
+        self.exposure.attended_tokens += seq_len
+        seq.metrics.base_token_reads += base
+        seq.metrics.attended_tokens += seq_len
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "free_blocks": self.pool.num_free(False),
+            "total_blocks": self.pool.num_blocks,
+            "base_pairs": len(self._slots) - len(self._promotions),
+            "promoting_pairs": len(self._promotions),
+            "free_host_slots": len(self._free_slots),
+            "demotions": self.num_demotions,
+            "promotions": self.num_promotions,
+        }

@@ -1,0 +1,421 @@
+"""``LLMEngine``: one step = schedule -> control decision -> apply -> run -> postprocess.
+
+Control runs in two phases per step (``elastiserve.control.arbiter``): under pressure before scheduling (demote,
+evict residuals, preempt) with the dry run's demand, and recovery after scheduling (promote, restore) with the free
+capacity left. Mode switches happen between steps; a request that spans one is never recomputed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.errors import InvalidRequest
+from elastiserve.engine.kv_manager import KVManager
+from elastiserve.engine.runner import ModelRunner
+from elastiserve.engine.sampling import SamplingParams
+from elastiserve.engine.scheduler import Scheduler, StepDemand
+from elastiserve.engine.sequence import Sequence, SequenceMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    metrics: SequenceMetrics
+    text: str | None = None  # full output text, set when finished and a tokenizer is present
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    metrics: SequenceMetrics
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        policy: Any = None,
+        eos_token_ids: Seq[int] | None = None,
+    ) -> None:
+        """``model``/``tokenizer`` override the loader (tests); ``policy`` overrides the control preset
+        (any object with ``decide_pressure(obs)`` and ``decide_recovery(obs)`` returning a ``Decision``)."""
+        from elastiserve.control.events import EventLog
+
+        self.config = config
+        self.device = _resolve_device(config.device)
+        hf_config: dict = {}
+        if model is None:
+            from elastiserve.engine.loader import load_model
+
+            model, hf_config, tokenizer = load_model(config)
+        self.tp_group = None
+        if config.tensor_parallel_size > 1:
+            from elastiserve.engine import tp
+
+            self.tp_group = tp.start(config)  # spawns ranks 1..N-1, joins the group as rank 0
+            self.device = self.tp_group.device
+            tp.shard_model(model.to(self.device), self.tp_group)
+        self.model = model.to(self.device)
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config, self.model, self.device)
+        if self.tp_group is not None:
+            self.runner = tp.TPRunner(self.runner, self.tp_group)
+        self.kv = KVManager(
+            self.runner.pool.block_pool,
+            config.block_size,
+            self.runner.host_backing.shape[0],
+            sink_pairs=config.sink_pairs,
+            recent_pairs=config.recent_pairs,
+        )
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+        )
+        self.policy = policy if policy is not None else _make_policy(config)
+        self.events = EventLog()
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, hf_config))
+        self.step_count = 0
+        self._restore_layers: tuple[int, ...] | None = None
+        self._seq_ids = itertools.count()
+        self._seq_index: dict[str, int] = {}
+        self.runner.capture_graphs()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
+        if request_id in self._seq_index:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        params.validate(self.vocab_size, self.max_model_len, len(prompt_token_ids))
+        needed = self.kv.blocks_for(len(prompt_token_ids) + params.max_tokens)
+        if needed > self.kv.pool.num_blocks:
+            raise InvalidRequest(
+                f"prompt + max_tokens need {needed} KV blocks but the whole pool has {self.kv.pool.num_blocks}"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids {bad[:4]} are outside the vocabulary")
+        metrics = SequenceMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, metrics)
+        self._seq_index[request_id] = next(self._seq_ids)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop the request and free its blocks and host slots; False when it is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._forget(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def has_background_work(self) -> bool:
+        """Restores or promotions that only progress while ``step()`` runs (an idle server keeps stepping)."""
+        state = self.runner.pool.block_pool.state
+        restorable = bool(state.fast_layers) and self.config.policy != "static-fp8"
+        return restorable or bool(self.kv.promotions_in_flight())
+
+    def _forget(self, seq: Sequence) -> None:
+        self._seq_index.pop(seq.request_id, None)
+        self.runner.release_request(seq.request_id)
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.step_count += 1
+        self._publish_promotions()
+        self._apply(self.policy.decide_pressure(self._observe(self._probe())))
+        batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self.events.add(time.monotonic(), self.step_count, "preempt", 1, f"no block for {seq.request_id}")
+        self._apply(self.policy.decide_recovery(self._observe(None)))
+        self._restore_between_steps()
+        self._sync_mode()
+        if batch.is_empty:
+            return []
+        out = self.runner.execute(batch, self.kv)
+        return self._postprocess(batch, out.token_ids)
+
+    def _probe(self) -> StepDemand | None:
+        should = getattr(self.policy, "should_probe", None)
+        if should is not None and not should(self.kv.num_free_blocks()):
+            return None
+        return self.scheduler.dry_run()
+
+    def _postprocess(self, batch, tokens: list[int | None]) -> list[RequestOutput]:
+        now = time.monotonic()
+        fast = bool(self.runner.fast_layers)
+        outputs = []
+        for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
+            self.kv.record_exposure(seq, batch.seq_len_after(i))
+            seq.num_computed_tokens += n
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            seq.metrics.token_times.append(now)
+            seq.metrics.fast_mode_tokens += fast
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                seq.finish_reason = reason
+                seq.metrics.finished_time = now
+                self.scheduler.finish(seq)
+                self._forget(seq)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        finished = seq.is_finished
+        text = None
+        if finished and self.tokenizer is not None:
+            text = seq.output_text or self.tokenizer.decode(seq.output_token_ids)
+        return RequestOutput(
+            seq.request_id, new_tokens, finished, seq.finish_reason, seq.num_prompt_tokens,
+            seq.num_output_tokens, seq.metrics, text,
+        )  # fmt: skip
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        params, token = seq.params, seq.token_ids[-1]
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.output_text = text[:cut]
+                return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- control ---------------------------------------------------------------------------------------------
+    def _observe(self, demand: StepDemand | None):
+        from elastiserve.control.observation import StepObservation
+
+        state = self.runner.pool.block_pool.state
+        running = self.scheduler.running
+        per_layer = state.residual_layers()
+        eligible = sum(len(self.kv.demotable_pairs(s)) for s in running) if self.kv.num_free_slots else 0
+        base = self.kv.counts()["base_pairs"]
+        return StepObservation(
+            step=self.step_count,
+            now=time.monotonic(),
+            free_blocks=self.kv.pool.num_free(False),
+            total_blocks=self.kv.pool.num_blocks,
+            native_blocks=self.kv.pool.num_blocks - state.num_free_blocks(True) + state.num_free_blocks(False),
+            demand_blocks=None if demand is None else demand.blocks_needed,
+            required_blocks=0 if demand is None else demand.required_blocks,
+            blocks_per_unit=max(1, len(state.unit_blocks(0))),
+            backed_units=state.num_backed_units(),
+            residual_layers=len(per_layer),
+            units_per_layer=max(per_layer.values(), default=0),
+            fast_layers=self.runner.fast_layers,
+            evicted_layers=state.fast_layers,
+            restorable_layers=tuple(sorted(state.fast_layers)),
+            free_units=state.num_free_units(),
+            target_pairs_eligible=min(eligible, self.kv.num_free_slots),
+            base_pairs=base,
+            resident_pairs=sum(len(s.pair_states) for s in running),
+            base_pairs_promotable=len(self.kv.promotion_candidates(running)),
+            promotions_in_flight=len(self.kv.promotions_in_flight()),
+            restore_in_flight=bool(state.restoring_tasks()),
+            running=len(running),
+            waiting=len(self.scheduler.waiting),
+        )
+
+    def _apply(self, decision) -> None:
+        now, step = time.monotonic(), self.step_count
+        reason = "; ".join(decision.reasons)
+        if decision.demote_pairs:
+            self.demote(decision.demote_pairs, reason)
+        if decision.evict_residual_layers:
+            self._evict(decision.evict_residual_layers, reason)
+        if decision.preempt:
+            self._preempt_blocks(decision.preempt, reason)
+        if decision.promote_pairs:
+            self.promote(decision.promote_pairs, reason)
+        if decision.start_restore:
+            self._restore_layers = tuple(decision.restore_layers)
+            self.events.add(now, step, "restore_start", len(decision.restore_layers), reason)
+
+    def demote(self, num_pairs: int, reason: str = "") -> int:
+        """Demote up to ``num_pairs`` eligible pairs (ranked like the simulator ranks them); returns the count."""
+        from elastiserve.control.observation import PairInfo, rank_demotable
+
+        running = self.scheduler.running
+        by_id = {self._seq_index[s.request_id]: s for s in running}
+        infos = [
+            PairInfo(self._seq_index[s.request_id], p, 0, "prefilling" if s.in_prefill else "decoding")
+            for s, p in self.kv.demotion_candidates(running)
+        ]
+        chosen = rank_demotable(infos, min(num_pairs, self.kv.num_free_slots))
+        ops = [self.kv.demote(by_id[info.seq_id], info.pair_index) for info in chosen]
+        if ops:
+            self.runner.demote(ops)
+            self.kv.release_demoted(ops)
+            self.events.add(time.monotonic(), self.step_count, "demote", len(ops), reason)
+        return len(ops)
+
+    def promote(self, num_pairs: int, reason: str = "") -> int:
+        """Start promoting up to ``num_pairs`` BASE pairs (blocks reserved now, published when the copy is done)."""
+        ops = []
+        for seq, pair in self.kv.promotion_candidates(self.scheduler.running)[:num_pairs]:
+            op = self.kv.begin_promote(seq, pair)
+            if op is None:
+                break
+            ops.append(op)
+        if ops:
+            self.runner.start_promote(ops)
+            self.events.add(time.monotonic(), self.step_count, "promote_start", len(ops), reason)
+        return len(ops)
+
+    def _publish_promotions(self) -> None:
+        done = 0
+        for op in self.runner.poll_promotions():
+            seq = self.scheduler.find(op.request_id)
+            if seq is not None and op in self.kv.promotions_in_flight():
+                self.kv.finish_promote(seq, op)
+                done += 1
+        if done:
+            self.events.add(time.monotonic(), self.step_count, "promote_done", done)
+
+    def _restore_between_steps(self) -> None:
+        """Commit residual restores that finished (layers go back to full in ``_sync_mode``), start requested ones."""
+        report = self.runner.between_steps(self._restore_layers)
+        self._restore_layers = None
+        if report.committed:
+            layers = {task.chunk.layer for task in report.committed}
+            self.events.add(time.monotonic(), self.step_count, "restore_done", len(layers))
+
+    def _evict(self, layers, reason: str) -> None:
+        state = self.runner.pool.block_pool.state
+        chosen = sorted(state.residual_layers()) if layers == "all" else list(layers)
+        chosen = [layer for layer in chosen if layer not in state.fast_layers]
+        if chosen:
+            self.runner.evict_layers(chosen)
+            self.events.add(time.monotonic(), self.step_count, "evict_residual", len(chosen), reason)
+
+    def _preempt_blocks(self, num_blocks: int, reason: str) -> None:
+        """Preempt latest-arrived running requests until ``num_blocks`` more blocks are free."""
+        target = self.kv.num_free_blocks() + num_blocks
+        while self.scheduler.running and self.kv.num_free_blocks() < target:
+            victim = max(self.scheduler.running, key=lambda s: s.arrival_time)
+            self.scheduler.preempt(victim)
+            self.events.add(time.monotonic(), self.step_count, "preempt", 1, reason)
+
+    def _sync_mode(self) -> None:
+        """Layers whose residual went stale (allocation took a BACKED unit, or eviction) run fast from this step."""
+        self.kv.pool.drain_stale_layers()
+        wanted = self.runner.pool.block_pool.state.fast_layers | self.runner.forced_fast_layers
+        if self.config.policy == "static-fp8":
+            wanted = frozenset(range(self.model.config.num_hidden_layers))
+        if wanted == self.runner.fast_layers:
+            return
+        entered, left = wanted - self.runner.fast_layers, self.runner.fast_layers - wanted
+        self.runner.set_fast_layers(wanted)
+        now = time.monotonic()
+        if entered:
+            self.events.add(now, self.step_count, "mode_fast", len(entered))
+        if left:
+            self.events.add(now, self.step_count, "mode_full", len(left))
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (a no-op on one GPU)."""
+        if self.tp_group is not None:
+            self.runner.shutdown()
+            self.tp_group = None
+
+    def force_fast_layers(self, layers: frozenset[int]) -> None:
+        """Pin ``layers`` to fast mode (tests, demos); applies at the next step boundary."""
+        self.runner.forced_fast_layers = frozenset(layers)
+
+    # ---- conveniences ----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[CompletionResult]:
+        ids = [f"gen-{self.step_count}-{i}" for i in range(len(prompts))]
+        seqs = {}
+        for request_id, prompt in zip(ids, prompts):
+            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.add_request(request_id, tokens, params)
+            seqs[request_id] = self.scheduler.find(request_id)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        results = []
+        for request_id in ids:
+            seq, out = seqs[request_id], finished[request_id]
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            results.append(
+                CompletionResult(request_id, prompt, seq.output_token_ids, out.text, out.finish_reason, seq.metrics)
+            )
+        return results
+
+    def stats(self) -> dict[str, Any]:
+        counts = self.kv.counts()
+        return {
+            **counts,
+            "kv_usage": 1.0 - counts["free_blocks"] / max(1, counts["total_blocks"]),
+            "base_exposure": self.kv.exposure.ratio,
+            "fast_layers": sorted(self.runner.fast_layers),
+            "mode": "fast" if self.runner.fast_layers else "full",
+            "transitions": self.events.counts(),
+            "preemptions": self.scheduler.num_preemptions,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "steps": self.step_count,
+        }
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        from elastiserve.platforms import current_platform
+
+        return torch.device(current_platform().device_type)
+    return torch.device(name)
+
+
+def _make_policy(config: EngineConfig):
+    from elastiserve.control.arbiter import Arbiter
+    from elastiserve.control.config import preset
+    from elastiserve.control.kv_fidelity import capacity_guard
+
+    a_max = capacity_guard(config.max_num_seqs, config.max_num_batched_tokens, config.block_size)
+    return Arbiter(preset(config.policy), a_max)
+
+
+def _eos_ids(tokenizer: Any, hf_config: dict) -> set[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    eos = hf_config.get("eos_token_id")
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return ids

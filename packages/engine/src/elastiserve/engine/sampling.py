@@ -1,0 +1,55 @@
+"""Per-request sampling parameters, validated against the model before a request is admitted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastiserve.engine.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = -1  # -1: all tokens
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Lists from JSON bodies become tuples so the params stay hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
+        """Raise InvalidRequest with a message a client can act on; return None when servable."""
+        if self.temperature < 0.0:
+            raise InvalidRequest(f"temperature={self.temperature} must be >= 0")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequest(f"top_k={self.top_k} must be -1 (disabled) or >= 1")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]")
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequest(f"logprobs={self.logprobs} must be between 0 and 20")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary of {vocab_size} tokens")
+        if prompt_len < 1:
+            raise InvalidRequest("the prompt is empty")
+        if prompt_len + self.max_tokens > max_model_len:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds max_model_len {max_model_len}"
+            )

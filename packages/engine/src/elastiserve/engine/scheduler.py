@@ -1,0 +1,201 @@
+"""Continuous batching: FCFS admission, decodes first, then prefill chunks under the token budget; no torch.
+
+Preemption (by recompute) is the last resort when the pool cannot give a running sequence its next block: the
+latest-arrived running sequence is the victim, its KV is freed and it goes back to the front of the waiting queue.
+``dry_run`` computes the next step's block demand without touching any state, so control can act before the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from elastiserve.engine.errors import EngineError
+from elastiserve.engine.kv_manager import KVManager
+from elastiserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence ``i`` produces a token this step (its chunk reaches the end of its tokens)."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+    def seq_len_after(self, i: int) -> int:
+        return self.seqs[i].num_computed_tokens + self.num_new_tokens[i]
+
+    def remove(self, seq: Sequence) -> int:
+        i = self.seqs.index(seq)
+        self.seqs.pop(i)
+        return self.num_new_tokens.pop(i)
+
+
+@dataclass(frozen=True, slots=True)
+class StepDemand:
+    """What the next step would need, from ``Scheduler.dry_run``."""
+
+    blocks_needed: int
+    required_blocks: int  # the part running sequences need (only this justifies preemption)
+    free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_decodes: int
+    num_prefill_tokens: int
+
+    @property
+    def shortage(self) -> int:
+        return max(0, self.blocks_needed - self.free_blocks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop the request wherever it is and free every block and host slot it holds."""
+        seq = self.find(request_id)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free_sequence(seq)
+        seq.status = SequenceStatus.ABORTED
+        seq.finish_reason = "abort"
+        return seq
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    # ---- planning --------------------------------------------------------------------------------------------
+    def _running_order(self) -> list[Sequence]:
+        decodes = [s for s in self.running if not s.in_prefill]
+        prefills = [s for s in self.running if s.in_prefill]
+        return decodes + prefills
+
+    def dry_run(self) -> StepDemand:
+        """Block demand of the next step if nothing were preempted; changes nothing."""
+        budget, blocks, decodes, prefill_tokens = self.max_num_batched_tokens, 0, 0, 0
+        for seq in self._running_order():
+            n = 1 if not seq.in_prefill else min(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                continue
+            blocks += self.kv.blocks_needed(seq, n)
+            budget -= n
+            decodes += n == 1 and not seq.in_prefill
+            prefill_tokens += n if seq.in_prefill else 0
+        required = blocks
+        num_seqs = len(self.running)
+        for seq in self.waiting:
+            if budget <= 0 or num_seqs >= self.max_num_seqs:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            blocks += self.kv.blocks_needed(seq, n)
+            budget -= n
+            prefill_tokens += n
+            num_seqs += 1
+        return StepDemand(
+            blocks, required, self.kv.num_free_blocks(), len(self.running), len(self.waiting), decodes, prefill_tokens
+        )
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        for seq in self._running_order():
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = 1 if not seq.in_prefill else min(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                continue
+            if seq.in_prefill:
+                n = max(1, self._tokens_that_fit(seq, n))  # shrink a chunk before preempting anyone
+            if not self._allocate_or_preempt(seq, n, batch):
+                budget = self.max_num_batched_tokens - batch.num_tokens
+                continue
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget = self.max_num_batched_tokens - batch.num_tokens
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        while not self.kv.allocate(seq, n):
+            victim = max(self.running, key=lambda s: s.arrival_time)
+            self.preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _tokens_that_fit(self, seq: Sequence, n: int) -> int:
+        """``n`` clipped to what the blocks ``seq`` holds plus the free blocks can store."""
+        capacity = (len(seq.block_table) + self.kv.num_free_blocks()) * self.kv.block_size
+        return max(0, min(n, capacity - seq.num_computed_tokens))
+
+    def preempt(self, victim: Sequence, batch: ScheduledBatch | None = None) -> None:
+        """Free the victim's KV and requeue it at the front; its tokens are kept and recomputed later."""
+        if batch is not None and victim in batch.seqs:
+            batch.remove(victim)
+        self.running.remove(victim)
+        self.kv.free_sequence(victim)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        if batch is not None:
+            batch.preempted.append(victim)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._tokens_that_fit(seq, min(seq.num_uncomputed_tokens, budget))
+            if n == 0 or not self.kv.allocate(seq, n):
+                if not self.running:
+                    raise EngineError(
+                        f"request {seq.request_id} cannot get a single KV block with nothing running "
+                        f"({self.kv.num_free_blocks()} free): the KV pool is too small"
+                    )
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n

@@ -1,0 +1,92 @@
+"""Plain per-request state shared by the scheduler, the KV manager and the runner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from elastiserve.engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class PairState(enum.Enum):
+    TARGET = "target"  # two physical fp16 blocks
+    BASE = "base"  # one packed block listed for both logical blocks; low bytes in a host slot
+    PROMOTING = "promoting"  # still BASE for readers; two fresh blocks reserved until the unpack event completes
+
+
+@dataclass(slots=True)
+class SequenceMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    base_token_reads: int = 0  # attended KV tokens read from BASE pairs, summed over steps
+    attended_tokens: int = 0  # all attended KV tokens, summed over steps
+    fast_mode_tokens: int = 0  # output tokens computed with at least one layer in fast mode
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    metrics: SequenceMetrics
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)  # logical block -> physical block
+    pair_states: list[PairState] = field(default_factory=list)  # one per pair of logical blocks (2p, 2p+1)
+    finish_reason: str | None = None
+    output_text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to be written to the KV cache; 1 for a decoding sequence (its last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+    def pair_of(self, logical_block: int) -> int:
+        return logical_block // 2
+
+    def base_pairs(self) -> list[int]:
+        return [p for p, s in enumerate(self.pair_states) if s is not PairState.TARGET]
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget all KV; prompt and generated tokens are prefilled again."""
+        self.num_computed_tokens = 0
+        self.block_table.clear()
+        self.pair_states.clear()
+        self.status = SequenceStatus.WAITING
+        self.metrics.preemptions += 1

@@ -1,0 +1,307 @@
+"""Tensor parallelism: one process per GPU over ``torch.distributed`` NCCL (``--tensor-parallel-size N``).
+
+Sharding (Megatron style): ``qkv_proj`` and ``gate_up_proj`` are column-parallel (each rank keeps its heads / its
+slice of the intermediate size, fused halves sharded separately), ``o_proj`` and ``down_proj`` are row-parallel and
+followed by an all-reduce; MoE experts shard their intermediate dimension the same way and the block output is
+all-reduced. Embeddings, norms, the router and ``lm_head`` stay replicated (every rank computes full logits; only
+rank 0 samples). Each rank owns its KV pool and SUM shared region for its own heads and weight shards.
+
+Rank 0 runs the scheduler, the KV manager and control. Everything that touches a device goes through
+``TPRunner``, which broadcasts each call (a ``Plan``) before doing it locally, and every other rank replays the same
+calls in the same order in ``worker_loop``: step inputs, pair demotions / promotions, mode changes. Unit-level
+decisions (Algorithm 1) are replayed too: rank 0's block pool records every allocate / free / evict, and each plan
+carries that log so the workers' ``SumState`` books, and hence their residual mappings and fast layers, match rank 0's.
+Restores commit on rank 0 only after every rank reports its copies done (an all-reduce of a flag).
+
+This module is isolated on purpose: nothing imports it unless ``tensor_parallel_size > 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastiserve.platforms import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+# ---- process group ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TPGroup:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def init_tp(rank: int, world_size: int, init_method: str) -> TPGroup:
+    """Join the NCCL group; ``init_method`` is a ``tcp://host:port`` or ``file://`` URL chosen by the launcher."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size)
+    return TPGroup(rank, world_size, torch.device("cuda", rank))
+
+
+# ---- sharding --------------------------------------------------------------------------------------------------
+class AllReduce(nn.Module):
+    """Wraps a row-parallel module: each rank holds a partial sum, the all-reduce completes it (graph-capturable)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        dist.all_reduce(out)
+        return out
+
+
+def _rows(weight: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
+    """Concatenate this rank's slice of each fused segment (segment ``i`` has ``sizes[i]`` rows)."""
+    parts, start = [], 0
+    for size in sizes:
+        if size % world:
+            raise ConfigError(f"a fused segment of {size} rows does not split over {world} ranks")
+        shard = size // world
+        parts.append(weight[start + rank * shard : start + (rank + 1) * shard])
+        start += size
+    return torch.cat(parts)
+
+
+def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                       dtype=weight.dtype)  # fmt: skip
+    linear.weight.data.copy_(weight)
+    if bias is not None:
+        linear.bias.data.copy_(bias)
+    return linear.requires_grad_(False)
+
+
+def shard_model(model: nn.Module, group: TPGroup) -> None:
+    """Shard a loaded (not yet nested) ``CausalLM`` in place for ``group``; the runner nests the shards after."""
+    rank, world = group.rank, group.world_size
+    config = model.config
+    if config.num_attention_heads % world or config.num_key_value_heads % world:
+        raise ConfigError(f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads do not "
+                          f"split over tensor_parallel_size={world}")  # fmt: skip
+    for layer in model.decoder_layers:
+        attn = layer.self_attn
+        qkv = attn.qkv_proj
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        bias = _rows(qkv.bias, sizes, rank, world) if qkv.bias is not None else None
+        attn.qkv_proj = _linear_from(_rows(qkv.weight, sizes, rank, world), bias)
+        attn.num_heads //= world
+        attn.num_kv_heads //= world
+        attn.q_size //= world
+        attn.kv_size //= world
+        o = attn.o_proj
+        attn.o_proj = AllReduce(_linear_from(o.weight[:, rank * attn.q_size : (rank + 1) * attn.q_size], None))
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_up_proj"):
+            inter = mlp.down_proj.in_features
+            mlp.gate_up_proj = _linear_from(_rows(mlp.gate_up_proj.weight, [inter, inter], rank, world), None)
+            shard = inter // world
+            mlp.down_proj = AllReduce(_linear_from(mlp.down_proj.weight[:, rank * shard : (rank + 1) * shard], None))
+        else:
+            _shard_experts(layer, mlp, rank, world)
+    # The KV pool is sized from the model config: each rank stores only its KV heads.
+    model.config = _replace_config(config, num_attention_heads=config.num_attention_heads // world,
+                                   num_key_value_heads=config.num_key_value_heads // world)  # fmt: skip
+
+
+def _shard_experts(layer: nn.Module, moe: nn.Module, rank: int, world: int) -> None:
+    inter = moe.w_down.shape[2]
+    if inter % world:
+        raise ConfigError(f"expert intermediate size {inter} does not split over {world} ranks")
+    shard = inter // world
+    gate_up = moe.w_gate_up.data
+    gate = gate_up[:, rank * shard : (rank + 1) * shard]
+    up = gate_up[:, inter + rank * shard : inter + (rank + 1) * shard]
+    moe.w_gate_up = nn.Parameter(torch.cat([gate, up], dim=1).contiguous(), requires_grad=False)
+    moe.w_down = nn.Parameter(moe.w_down.data[:, :, rank * shard : (rank + 1) * shard].contiguous(),
+                              requires_grad=False)  # fmt: skip
+    layer.mlp = AllReduce(moe)
+
+
+def _replace_config(config: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+# ---- the step plan ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Plan:
+    """One runner call to replay on every rank, with the pool operations rank 0 did since the previous plan."""
+
+    method: str
+    args: tuple = ()
+    pool_log: list[tuple] = field(default_factory=list)
+
+
+class RecordingPool:
+    """Wraps rank 0's block pool: every state change is logged so workers can replay it on their own books."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.num_blocks = inner.num_blocks
+        self.state = inner.state
+        self.log: list[tuple] = []
+
+    def num_free(self, allow_backed: bool = False) -> int:
+        return self.inner.num_free(allow_backed)
+
+    def allocate(self, n: int, allow_backed: bool = False) -> list[int] | None:
+        blocks = self.inner.allocate(n, allow_backed)
+        if blocks:
+            self.log.append(("allocate", n, allow_backed, tuple(blocks)))
+        return blocks
+
+    def free(self, blocks) -> None:
+        blocks = list(blocks)
+        self.inner.free(blocks)
+        self.log.append(("free", tuple(blocks)))
+
+    def drain_stale_layers(self) -> frozenset[int]:
+        return self.inner.drain_stale_layers()
+
+    def take_log(self) -> list[tuple]:
+        log_, self.log = self.log, []
+        return log_
+
+
+def replay_pool_log(pool: Any, entries: list[tuple]) -> None:
+    """Apply rank 0's pool operations to a worker's pool; Algorithm 1 is deterministic, so the blocks must match."""
+    for entry in entries:
+        if entry[0] == "allocate":
+            _, n, allow_backed, expected = entry
+            got = pool.allocate(n, allow_backed)
+            if tuple(got or ()) != expected:
+                raise RuntimeError(f"tensor-parallel books diverged: allocate({n}) gave {got}, rank 0 {expected}")
+        elif entry[0] == "free":
+            pool.free(list(entry[1]))
+        elif entry[0] == "evict":
+            pool.state.evict_layers(list(entry[1]))  # the same books the SUM manager's evict_layers updates
+
+
+class TPRunner:
+    """Rank 0's stand-in for ``ModelRunner``: broadcast each device call, then make it locally."""
+
+    BROADCAST = ("run", "demote", "start_promote", "set_fast_layers", "release_request", "capture_graphs")
+
+    def __init__(self, runner: Any, group: TPGroup) -> None:
+        self.runner = runner
+        self.group = group
+        self.pool = runner.pool
+        self.recording = RecordingPool(runner.pool.block_pool)
+        runner.pool.block_pool = self.recording
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.runner, name)
+        if name not in self.BROADCAST:
+            return attr
+
+        def call(*args: Any) -> Any:
+            _broadcast(Plan(name, args, self.recording.take_log()))
+            return attr(*args)
+
+        return call
+
+    def execute(self, batch: Any, kv: Any) -> Any:
+        return self.run(self.runner.step_inputs(batch, kv))
+
+    def evict_layers(self, layers: list[int]) -> None:
+        self.runner.evict_layers(layers)
+        self.recording.log.append(("evict", tuple(layers)))
+
+    def between_steps(self, restore_layers: tuple[int, ...] | None) -> Any:
+        """Restores commit only when every rank's copies are done, so all ranks leave fast mode together."""
+        _broadcast(Plan("between_steps", (restore_layers,), self.recording.take_log()))
+        return _between_steps_all_ranks(self.runner, restore_layers)
+
+    def shutdown(self) -> None:
+        _broadcast(Plan("shutdown"))
+        dist.destroy_process_group()
+
+
+def _between_steps_all_ranks(runner: Any, restore_layers: tuple[int, ...] | None) -> Any:
+    # TODO(integration): ask elastiserve.memory for a public "all submitted batches finished" query.
+    worker = getattr(runner.pool.manager, "_worker", None)
+    batches = list(worker._submitted) if worker is not None else []
+    flag = torch.tensor([int(all(b.finished() for b in batches))], device=runner.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if flag.item() == 1:
+        return runner.between_steps(restore_layers)  # every rank done: commit and start the same tasks
+    return _no_report()  # someone is still copying: nobody commits, so the ranks' books stay equal
+
+
+def _no_report() -> Any:
+    from elastiserve.memory.sum_manager import StepReport
+
+    return StepReport((), (), 0)
+
+
+def _broadcast(plan: Plan) -> None:
+    box = [plan]
+    dist.broadcast_object_list(box, src=0)
+
+
+def worker_loop(runner: Any) -> None:
+    """Ranks 1..N-1: replay rank 0's plans until it shuts down."""
+    pool = runner.pool.block_pool
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        plan: Plan = box[0]
+        replay_pool_log(pool, plan.pool_log)
+        if plan.method == "shutdown":
+            dist.destroy_process_group()
+            return
+        if plan.method == "between_steps":
+            _between_steps_all_ranks(runner, *plan.args)
+        elif plan.method == "run":
+            runner.run(*plan.args, sample=False)
+        else:
+            getattr(runner, plan.method)(*plan.args)
+        runner.poll_promotions()  # rank 0 decides publication; workers only drop their finished events
+
+
+# ---- launching -------------------------------------------------------------------------------------------------
+def start(config: Any) -> TPGroup:
+    """Spawn ranks 1..N-1 (each loads, shards and serves its part) and join the group as rank 0."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    world = config.tensor_parallel_size
+    if torch.cuda.device_count() < world:
+        raise ConfigError(f"tensor_parallel_size={world} but only {torch.cuda.device_count()} GPUs are visible")
+    with socket.socket() as s:  # a free local port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
+    ctx = mp.get_context("spawn")
+    for rank in range(1, world):
+        ctx.Process(target=worker_main, args=(rank, world, init_method, config), daemon=True).start()
+    return init_tp(0, world, init_method)
+
+
+def worker_main(rank: int, world: int, init_method: str, config: Any) -> None:
+    """Entry point of ranks 1..N-1: the same model load, shard and runner as rank 0, then replay its plans."""
+    from elastiserve.engine.loader import load_model
+    from elastiserve.engine.runner import ModelRunner
+
+    group = init_tp(rank, world, init_method)
+    model, _, _ = load_model(config)
+    model = model.to(group.device)
+    shard_model(model, group)
+    runner = ModelRunner(config, model, group.device)
+    worker_loop(runner)

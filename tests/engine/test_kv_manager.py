@@ -1,0 +1,164 @@
+"""Pins the KV manager's bookkeeping: pair states (TARGET / BASE / PROMOTING), which pairs are protected from
+demotion (sinks, recent pairs, the partly filled last pair), host-slot accounting, exposure, and that no physical
+block is ever lost or double-owned across allocate / demote / promote / free, on Algorithm 1's unit books."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from elastiserve.engine.errors import EngineError
+from elastiserve.engine.kv_manager import FlatBlockPool, KVManager, SumBlockPool
+from elastiserve.engine.sampling import SamplingParams
+from elastiserve.engine.sequence import PairState, Sequence, SequenceMetrics
+from elastiserve.memory.sum_state import SumState
+
+pytestmark = [pytest.mark.cpu]
+
+BS = 4
+
+
+def make_seq(request_id: str, num_tokens: int, arrival: float = 0.0) -> Sequence:
+    return Sequence(request_id, list(range(num_tokens)), num_tokens, SamplingParams(), SequenceMetrics(arrival))
+
+
+def sum_pool(num_units: int = 8, blocks_per_unit: int = 3) -> SumBlockPool:
+    units = [list(range(u * blocks_per_unit, (u + 1) * blocks_per_unit)) for u in range(num_units)]
+    return SumBlockPool(SumState(units))
+
+
+def filled(kv: KVManager, seq: Sequence) -> Sequence:
+    assert kv.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    return seq
+
+
+def owned_blocks(kv: KVManager, seqs: list[Sequence]) -> list[int]:
+    blocks = [b for s in seqs for b in set(s.block_table)]
+    blocks += [b for op in kv.promotions_in_flight() for b in (op.dst_a, op.dst_b)]
+    return blocks
+
+
+def assert_no_block_lost(kv: KVManager, seqs: list[Sequence]) -> None:
+    owned = owned_blocks(kv, seqs)
+    assert len(owned) == len(set(owned)), "a physical block is owned twice"
+    assert len(owned) + kv.pool.num_free(False) == kv.pool.num_blocks
+
+
+def test_allocate_grows_block_table_and_pairs():
+    kv = KVManager(sum_pool(), BS, num_host_slots=4)
+    seq = make_seq("a", 9)
+    assert kv.blocks_needed(seq, 9) == 3
+    assert kv.allocate(seq, 9)
+    assert len(seq.block_table) == 3 and seq.pair_states == [PairState.TARGET] * 2
+    seq.num_computed_tokens = 9
+    assert kv.blocks_needed(seq, 3) == 0 and kv.blocks_needed(seq, 4) == 1
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVManager(FlatBlockPool(2), BS, num_host_slots=0)
+    seq = make_seq("a", 9)
+    assert not kv.allocate(seq, 9)
+    assert seq.block_table == [] and kv.pool.num_free() == 2
+
+
+@pytest.mark.parametrize(("num_tokens", "expected"), [(8 * 2 * BS, [1, 2, 3, 4, 5]), (8 * 2 * BS + 3, [1, 2, 3, 4, 5])])
+def test_protected_pairs_are_sinks_recent_and_partial(num_tokens, expected):
+    kv = KVManager(sum_pool(num_units=12), BS, num_host_slots=16, sink_pairs=1, recent_pairs=2)
+    seq = filled(kv, make_seq("a", num_tokens))
+    assert kv.demotable_pairs(seq) == expected
+
+
+def test_demote_lists_packed_block_for_both_and_frees_b():
+    kv = KVManager(sum_pool(), BS, num_host_slots=1, sink_pairs=0, recent_pairs=0)
+    seq = filled(kv, make_seq("a", 4 * BS))
+    a, b = seq.block_table[0], seq.block_table[1]
+    free_before = kv.pool.num_free()
+    op = kv.demote(seq, 0)
+    assert (op.block_a, op.block_b) == (a, b)
+    assert seq.block_table[:2] == [a, a] and seq.pair_states[0] is PairState.BASE
+    kv.release_demoted([op])
+    assert kv.pool.num_free() == free_before + 1
+    assert kv.num_free_slots == 0
+    with pytest.raises(EngineError, match="host-backing slot"):
+        kv.demote(seq, 1)
+    assert_no_block_lost(kv, [seq])
+
+
+def test_promote_reserves_then_publishes_and_frees_packed_block():
+    kv = KVManager(sum_pool(), BS, num_host_slots=2, sink_pairs=0, recent_pairs=0)
+    seq = filled(kv, make_seq("a", 4 * BS))
+    kv.release_demoted([kv.demote(seq, 0)])
+    packed = seq.block_table[0]
+    op = kv.begin_promote(seq, 0)
+    assert seq.pair_states[0] is PairState.PROMOTING
+    assert seq.block_table[:2] == [packed, packed], "readers keep the packed block until the event completes"
+    assert KVManager.pair_modes(seq) == [1, 0]
+    assert_no_block_lost(kv, [seq])
+    kv.finish_promote(seq, op)
+    assert seq.block_table[:2] == [op.dst_a, op.dst_b] and seq.pair_states[0] is PairState.TARGET
+    assert kv.num_free_slots == 2
+    assert_no_block_lost(kv, [seq])
+    with pytest.raises(EngineError):
+        kv.finish_promote(seq, op)
+
+
+def test_abort_mid_promotion_frees_everything():
+    kv = KVManager(sum_pool(), BS, num_host_slots=4, sink_pairs=0, recent_pairs=0)
+    seq = filled(kv, make_seq("a", 8 * BS))
+    kv.release_demoted([kv.demote(seq, 0), kv.demote(seq, 1)])
+    assert kv.begin_promote(seq, 1) is not None
+    kv.free_sequence(seq)
+    assert kv.pool.num_free() == kv.pool.num_blocks and kv.num_free_slots == 4
+    assert kv.promotions_in_flight() == []
+
+
+def test_base_bounds_and_exposure():
+    kv = KVManager(sum_pool(num_units=12), BS, num_host_slots=8, sink_pairs=1, recent_pairs=1)
+    seq = filled(kv, make_seq("a", 6 * 2 * BS))
+    assert KVManager.base_bounds(seq) == (0, 0)
+    ops = [kv.demote(seq, 1), kv.demote(seq, 2)]
+    kv.release_demoted(ops)
+    assert KVManager.base_bounds(seq) == (1, 3)
+    kv.record_exposure(seq, seq.num_tokens)
+    assert kv.exposure.ratio == pytest.approx(2 / 6)
+    kv.release_demoted([kv.demote(seq, 4)])
+    assert KVManager.base_bounds(seq) is None  # two BASE runs: the general path
+
+
+def test_random_transitions_never_lose_a_block():
+    rng = random.Random(7)
+    kv = KVManager(sum_pool(num_units=16, blocks_per_unit=3), BS, num_host_slots=6, sink_pairs=1, recent_pairs=1)
+    live: list[Sequence] = []
+    for step in range(300):
+        action = rng.choice(["add", "grow", "demote", "promote", "finish", "free"])
+        if action == "add":
+            seq = make_seq(f"r{step}", rng.randint(1, 6 * BS), arrival=step)
+            if kv.allocate(seq, seq.num_tokens):
+                seq.num_computed_tokens = seq.num_tokens
+                live.append(seq)
+        elif action == "grow" and live:
+            seq = rng.choice(live)
+            if kv.allocate(seq, 1):
+                seq.token_ids.append(0)
+                seq.num_computed_tokens += 1
+        elif action == "demote":
+            cands = kv.demotion_candidates(live)
+            if cands and kv.num_free_slots:
+                kv.release_demoted([kv.demote(*rng.choice(cands))])
+        elif action == "promote":
+            cands = kv.promotion_candidates(live)
+            if cands:
+                kv.begin_promote(*rng.choice(cands))
+        elif action == "finish":
+            for op in kv.promotions_in_flight():
+                kv.finish_promote(next(s for s in live if s.request_id == op.request_id), op)
+        elif action == "free" and live:
+            kv.free_sequence(live.pop(rng.randrange(len(live))))
+        assert_no_block_lost(kv, live)
+        assert kv.num_free_slots + kv.counts()["base_pairs"] + kv.counts()["promoting_pairs"] == 6
+        kv.pool.state.check_invariants()
+    for seq in live:
+        kv.free_sequence(seq)
+    assert kv.pool.num_free() == kv.pool.num_blocks and kv.num_free_slots == 6
