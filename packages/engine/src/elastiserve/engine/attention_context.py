@@ -12,8 +12,6 @@ from types import SimpleNamespace
 
 import torch
 
-NATIVE, STRUCTURED, GENERAL = 0, 1, 2
-
 
 def kernel_ops(device: torch.device) -> SimpleNamespace:
     """kv_write / paged_attention / kv_demote / kv_promote: the registered ops on a GPU, references on the CPU."""
@@ -30,13 +28,6 @@ def kernel_ops(device: torch.device) -> SimpleNamespace:
     return SimpleNamespace(
         kv_write=ops.kv_write, paged_attention=ops.paged_attention, kv_demote=ops.kv_demote, kv_promote=ops.kv_promote
     )
-
-
-def choose_path(pair_modes: list[list[int]], bounds: list[tuple[int, int] | None]) -> int:
-    """Native when no sequence reads BASE, structured when every BASE run is contiguous, else general."""
-    if not any(any(modes) for modes in pair_modes):
-        return NATIVE
-    return STRUCTURED if all(b is not None for b in bounds) else GENERAL
 
 
 @dataclass(slots=True)

@@ -253,16 +253,6 @@ class KVManager:
         """1 for a pair readers must treat as BASE (BASE or PROMOTING), 0 for TARGET."""
         return [0 if s is PairState.TARGET else 1 for s in seq.pair_states]
 
-    @staticmethod
-    def base_bounds(seq: Sequence) -> tuple[int, int] | None:
-        """``[first, end)`` of the BASE pairs when they form one run (structured path); (0, 0) when none."""
-        base = [p for p, s in enumerate(seq.pair_states) if s is not PairState.TARGET]
-        if not base:
-            return (0, 0)
-        if base[-1] - base[0] + 1 != len(base):
-            return None
-        return (base[0], base[-1] + 1)
-
     def base_tokens(self, seq: Sequence, seq_len: int) -> int:
         """KV tokens among the first ``seq_len`` that attention reads from BASE pairs."""
         pair_tokens = 2 * self.block_size

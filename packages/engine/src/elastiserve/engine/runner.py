@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-from elastiserve.engine.attention_context import AttentionMetadata, PagedAttentionContext, choose_path, kernel_ops
+from elastiserve.engine.attention_context import AttentionMetadata, PagedAttentionContext, kernel_ops
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.graphs import GraphRunner, graph_batch_sizes
 from elastiserve.engine.kv_manager import BlockPool, DemoteOp, KVManager, PromoteOp, SumBlockPool
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
+from elastiserve.kernels.attention_plan import GENERAL, STRUCTURED, choose_path
 from elastiserve.platforms import ConfigError
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ class StepInputs:
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     pair_modes: list[list[int]] = field(default_factory=list)
-    base_bounds: list[tuple[int, int] | None] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)  # sequences whose chunk ends this step
     sample_params: list[SamplingParams] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
@@ -136,7 +136,6 @@ class ModelRunner:
             inputs.seq_lens.append(start + n)
             inputs.block_tables.append(list(seq.block_table))
             inputs.pair_modes.append(kv.pair_modes(seq))
-            inputs.base_bounds.append(kv.base_bounds(seq))
             if batch.samples(i):
                 inputs.sample_indices.append(i)
                 inputs.sample_params.append(seq.params)
@@ -160,11 +159,11 @@ class ModelRunner:
         for i, row in enumerate(inputs.block_tables):
             table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         self.block_tables[:padded].copy_(table, non_blocking=True)
-        path = choose_path(inputs.pair_modes, inputs.base_bounds)
-        if path == 1:
-            rows = [b or (0, 0) for b in inputs.base_bounds] + [(0, 0)] * pad
+        path, bounds = choose_path(inputs.pair_modes)
+        if path == STRUCTURED:
+            rows = bounds + [(0, 0)] * pad
             self.base_bounds[:padded].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        elif path == 2:
+        elif path == GENERAL:
             modes = torch.zeros((padded, self.pair_mode.shape[1]), dtype=torch.uint8)
             for i, row in enumerate(inputs.pair_modes):
                 modes[i, : len(row)] = torch.tensor(row, dtype=torch.uint8)
@@ -179,8 +178,8 @@ class ModelRunner:
             query_start_loc=self.query_start_loc[: num_seqs + 1],
             max_query_len=max_query_len,
             path=path,
-            base_bounds=self.base_bounds[:num_seqs] if path == 1 else None,
-            pair_mode=self.pair_mode[:num_seqs] if path == 2 else None,
+            base_bounds=self.base_bounds[:num_seqs] if path == STRUCTURED else None,
+            pair_mode=self.pair_mode[:num_seqs] if path == GENERAL else None,
         )
 
     def _fill(self, buffer: torch.Tensor, values: list[int]) -> None:
