@@ -233,10 +233,7 @@ class TPRunner:
 
 
 def _between_steps_all_ranks(runner: Any, restore_layers: tuple[int, ...] | None) -> Any:
-    # TODO(integration): ask elastiserve.memory for a public "all submitted batches finished" query.
-    worker = getattr(runner.pool.manager, "_worker", None)
-    batches = list(worker._submitted) if worker is not None else []
-    flag = torch.tensor([int(all(b.finished() for b in batches))], device=runner.device)
+    flag = torch.tensor([int(runner.pool.manager.restores_landed())], device=runner.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if flag.item() == 1:
         return runner.between_steps(restore_layers)  # every rank done: commit and start the same tasks

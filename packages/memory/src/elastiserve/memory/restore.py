@@ -74,6 +74,10 @@ class RestoreWorker:
     def pending(self) -> int:
         return len(self._submitted)
 
+    def all_finished(self) -> bool:
+        """Whether every submitted batch's copies have landed (TP ranks agree on this before committing)."""
+        return all(batch.finished() for batch in self._submitted)
+
     def poll(self) -> list[RestoreBatch]:
         done = []
         while self._submitted and self._submitted[0].finished():

@@ -184,6 +184,10 @@ class SumManager:
             raise ConfigError("no residual backup attached: call attach_backup first")
         return self.backup
 
+    def restores_landed(self) -> bool:
+        """True when no restore copy is still in flight (nothing was ever submitted counts as landed)."""
+        return self._worker is None or self._worker.all_finished()
+
     def _worker_started(self) -> RestoreWorker:
         if self._worker is None:
             self._worker = RestoreWorker(self.device, chunk_bytes=self.config.restore_chunk_bytes,
