@@ -1,0 +1,191 @@
+"""``elastiserve`` command line: ``serve``, ``generate``, ``bench`` and ``demo``.
+
+    elastiserve serve smollm2 --device cpu --port 8000 --policy combined --kv-cache-budget 20MiB
+    elastiserve generate smollm2 --input prompts.jsonl --output out.jsonl
+    elastiserve bench smollm2 --policy static-fp16 --policy dps --workload gamma --rate 1 --rate 2 --out results/
+    elastiserve demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from elastiserve.platforms import ConfigError
+
+POLICIES = ("static-fp16", "static-fp8", "dps", "elastickv", "combined")
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "80GB" (decimal), "20GiB" (binary), "512MiB", "1.5G" (decimal) or a plain byte count."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"cannot parse size {text!r}: expected e.g. 80GB, 20GiB, 512MiB, 1048576")
+    number, prefix, binary, _ = match.groups()
+    if binary and not prefix:
+        raise argparse.ArgumentTypeError(f"cannot parse size {text!r}: 'i' needs a prefix (KiB, MiB, GiB, TiB)")
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** _POWERS[prefix.lower()])
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    if model_required:
+        p.add_argument("model", help="model directory, 'smollm2', or a built-in config name with --load-format dummy")
+    p.add_argument("--policy", default="static-fp16", choices=POLICIES)
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-budget", type=parse_size, default=None, help="absolute cap, e.g. 80GB")
+    p.add_argument("--kv-cache-budget", type=parse_size, default=None, help="KV pool bytes, e.g. 20GiB")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy"))
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-kv-blocks", type=int, default=512, help="KV pool size in blocks on the CPU")
+
+
+ENGINE_FIELDS = ("device", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
+                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size", "load_format",
+                 "enforce_eager", "seed", "cpu_kv_blocks")
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in ENGINE_FIELDS}
+
+
+def make_engine(model: str, policy: str, settings: dict[str, Any]) -> Any:
+    from elastiserve.engine.config import EngineConfig
+    from elastiserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=model, policy=policy, **settings))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastiserve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    serve.add_argument("--served-model-name", default=None)
+
+    gen = sub.add_parser("generate", help="offline batch generation from a JSONL file")
+    add_engine_args(gen)
+    gen.add_argument("--input", type=Path, required=True, help='JSONL: {"prompt": ...} or {"messages": [...]}')
+    gen.add_argument("--output", type=Path, required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+
+    from elastiserve.engine.bench.cli_args import add_bench_args
+
+    bench = sub.add_parser("bench", help="replay a workload in-process or against a server; JSON + plots")
+    add_bench_args(bench)
+    add_engine_args(bench, model_required=False)
+
+    demo = sub.add_parser("demo", help="SmolLM2 on the CPU: every policy on a small bursty trace window, one table")
+    demo.add_argument("--out", type=Path, default=Path("elastiserve-demo"))
+    demo.add_argument("--count", type=int, default=None, help="requests in the trace window")
+    demo.add_argument("--policy", dest="policies", action="append", choices=POLICIES, default=None)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from elastiserve.engine.async_engine import AsyncEngine
+    from elastiserve.engine.server import build_app, run_forever
+
+    engine = make_engine(args.model, args.policy, engine_settings(args))
+    async_engine = AsyncEngine(engine).start()
+    try:
+        app = build_app(async_engine, engine.tokenizer, model_name=args.served_model_name or args.model,
+                        api_key=args.api_key)
+        run_forever(app, args.host, args.port)
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def _line_prompt(engine: Any, record: dict[str, Any], lineno: int) -> list[int]:
+    if "prompt_token_ids" in record:
+        return list(record["prompt_token_ids"])
+    if "messages" in record:
+        return list(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(record["messages"])))
+    if isinstance(record.get("prompt"), str):
+        return list(engine.tokenizer.encode(record["prompt"]))
+    raise ConfigError(f"line {lineno}: expected 'prompt', 'messages' or 'prompt_token_ids'")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from elastiserve.engine.sampling import SamplingParams
+
+    engine = make_engine(args.model, args.policy, engine_settings(args))
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k}
+    records = [json.loads(line) for line in args.input.read_text().splitlines() if line.strip()]
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    for i, record in enumerate(records):
+        fields = {k: record[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+                  if k in record}
+        engine.add_request(str(i), _line_prompt(engine, record, i + 1), SamplingParams(**{**defaults, **fields}))
+        outputs[str(i)] = []
+    with tqdm(total=len(records), desc="generate") as bar:
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+                    bar.update(1)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with args.output.open("w") as f:
+        for i, record in enumerate(records):
+            ids = outputs[str(i)]
+            text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else None
+            f.write(json.dumps({"index": i, "input": record, "text": text, "token_ids": ids,
+                                "finish_reason": reasons.get(str(i))}) + "\n")
+    print(f"wrote {len(records)} completions to {args.output}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from elastiserve.engine.bench.cli_args import run_from_args
+
+    return run_from_args(args, make_engine, engine_settings(args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from elastiserve.engine.bench.demo import run_demo
+
+    print(run_demo(args.out, count=args.count, policies=tuple(args.policies or POLICIES)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo}
+    try:
+        return handlers[args.command](args)
+    except ConfigError as exc:
+        print(f"elastiserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""OpenAI request parsing and response bodies, with no I/O: the server turns JSON into a `ParsedRequest` here.
+
+Every user mistake raises `BadRequest` carrying the OpenAI error fields (message, param, code); the server answers it
+with HTTP 400. Only ``n == 1`` is served.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastiserve.platforms.errors import ElastiserveError
+
+
+class BadRequest(ElastiserveError, ValueError):
+    """A request the server refuses with HTTP 400 and an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class ParsedRequest:
+    """One completion or chat request reduced to what the engine and the response writer need."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict[str, Any]] | None = None  # chat
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # keyword arguments for SamplingParams
+    stop: tuple[str, ...] = ()
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.sampling.get("max_tokens", 16))
+
+
+def _check_type(body: dict, name: str, types: tuple[type, ...], type_name: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    # bool is an int subclass: JSON true is never a number here.
+    if isinstance(value, bool) and bool not in types:
+        raise BadRequest(f"'{name}' must be {type_name}, got a boolean", param=name, code="invalid_type")
+    if not isinstance(value, types):
+        raise BadRequest(f"'{name}' must be {type_name}, got {type(value).__name__}", param=name, code="invalid_type")
+    return value
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = _check_type(body, name, (int, float), "a number")
+    return None if value is None else float(value)
+
+
+def _integer(body: dict, name: str) -> int | None:
+    value = _check_type(body, name, (int,), "an integer")
+    return value
+
+
+def _parse_stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", param="stop",
+                         code="invalid_type")
+    if len(stop) > 16:
+        raise BadRequest("'stop' takes at most 16 strings", param="stop")
+    return tuple(stop)
+
+
+def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
+    sampling: dict[str, Any] = {}
+    for name in ("temperature", "top_p"):
+        value = _number(body, name)
+        if value is not None:
+            sampling[name] = value
+    for name in ("top_k", "seed"):
+        value = _integer(body, name)
+        if value is not None:
+            sampling[name] = value
+    for name in max_tokens_names:
+        value = _integer(body, name)
+        if value is not None:
+            if value < 1:
+                raise BadRequest(f"'{name}' must be at least 1, got {value}", param=name)
+            sampling["max_tokens"] = value
+            break
+    ignore_eos = _check_type(body, "ignore_eos", (bool,), "a boolean")
+    if ignore_eos is not None:
+        sampling["ignore_eos"] = ignore_eos
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise BadRequest("'stop_token_ids' must be a list of integers", param="stop_token_ids",
+                             code="invalid_type")
+        sampling["stop_token_ids"] = tuple(stop_ids)
+    return sampling
+
+
+def _check_n(body: dict) -> None:
+    n = _integer(body, "n")
+    if n is not None and n != 1:
+        raise BadRequest(f"only n=1 is supported, got n={n}", param="n", code="unsupported_value")
+    best_of = _integer(body, "best_of")
+    if best_of is not None and best_of != 1:
+        raise BadRequest(f"only best_of=1 is supported, got {best_of}", param="best_of", code="unsupported_value")
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = bool(_check_type(body, "stream", (bool,), "a boolean"))
+    options = _check_type(body, "stream_options", (dict,), "an object") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean", param="stream_options",
+                         code="invalid_type")
+    return stream, include_usage
+
+
+def _require_model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a string", param="model", code="invalid_type")
+    return model
+
+
+def parse_completion(body: Any) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = _require_model(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one is one prompt
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)",
+                             param="prompt", code="invalid_type")
+    elif not isinstance(prompt, str):
+        raise BadRequest("'prompt' is required and must be a string or a list of token ids", param="prompt",
+                         code="invalid_type")
+    _check_n(body)
+    stream, include_usage = _stream_flags(body)
+    echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
+    return ParsedRequest("completion", model, prompt=prompt, stream=stream, include_usage=include_usage, echo=echo,
+                         sampling=_parse_sampling(body, ("max_tokens",)), stop=_parse_stop(body))
+
+
+def _parse_messages(body: dict) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' is required and must be a non-empty list", param="messages",
+                         code="invalid_type")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", param="messages",
+                             code="invalid_type")
+        content = message.get("content", "")
+        if isinstance(content, list):  # content parts: keep the text ones
+            texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string", param="messages", code="invalid_type")
+        parsed.append({"role": message["role"], "content": content})
+    return parsed
+
+
+def parse_chat(body: Any) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = _require_model(body)
+    messages = _parse_messages(body)
+    _check_n(body)
+    stream, include_usage = _stream_flags(body)
+    return ParsedRequest("chat", model, messages=messages, stream=stream, include_usage=include_usage,
+                         sampling=_parse_sampling(body, ("max_completion_tokens", "max_tokens")),
+                         stop=_parse_stop(body))
+
+
+def new_id(kind: str) -> str:
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chunk_body(req: ParsedRequest, request_id: str, created: int, text: str | None,
+               finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+    """One streamed chunk; ``text`` None with a finish reason closes the choice."""
+    if req.kind == "chat":
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    body = {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+    if req.include_usage:
+        body["usage"] = None  # OpenAI sends null usage on every chunk but the last one
+    return body
+
+
+def usage_chunk(req: ParsedRequest, request_id: str, created: int, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def full_body(req: ParsedRequest, request_id: str, text: str, finish_reason: str | None, prompt_tokens: int,
+              completion_tokens: int) -> dict[str, Any]:
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": req.model, "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def models_body(model_names: list[str]) -> dict[str, Any]:
+    created = int(time.time())
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "elastiserve"}
+                                       for name in model_names]}
+
+
+def eos_token_ids(tokenizer: Any, engine: Any = None) -> frozenset[int]:
+    for owner in (tokenizer, engine):
+        for name in ("eos_token_ids", "eos_ids", "eos_token_id"):
+            value = getattr(owner, name, None)
+            if value is not None:
+                return frozenset([value] if isinstance(value, int) else value)
+    return frozenset()
+
+
+class TextStream:
+    """Incremental detokenization with only ``tokenizer.decode``: text is cut where a multi-byte character is whole.
+
+    Each call decodes a short window (the previous token run plus the new tokens) so the cost stays linear and
+    tokenizers that treat the first token of a string specially (leading spaces) still give the right delta.
+    """
+
+    def __init__(self, tokenizer: Any, eos_ids: frozenset[int] = frozenset()) -> None:
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(t for t in new_ids if t not in self.eos_ids)
+        if len(self.ids) == self.read_offset:
+            return ""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if new_text.endswith("\ufffd") and not final:
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text):]
+
+
+class StopChecker:
+    """Cuts the text at the first stop string; holds back a possible stop-string prefix until it is decided."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
+        self.pending += delta
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, self.pending = self.pending[:min(hits)], ""
+            return text, True
+        cut = len(self.pending) if final else max(0, len(self.pending) - self.hold)
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False

@@ -1,0 +1,212 @@
+"""``elastiserve`` command line: size parsing ("80GB" decimal, "20GiB" binary), every serve flag reaching the engine
+config, bench flags becoming a plan, and ``generate`` end to end on a JSONL file (fake engine; and SmolLM2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from fake_engine import SCRIPT, FakeEngine
+
+from elastiserve.engine import cli
+from elastiserve.engine.bench.cli_args import plan_from_args
+
+pytestmark = [pytest.mark.cpu]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("80GB", 80 * 10**9),
+        ("20GiB", 20 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5G", 1_500_000_000),
+        ("4096", 4096),
+        ("64kib", 64 * 1024),
+        (" 2 TB ", 2 * 10**12),
+    ],
+)
+def test_parse_size(text, expected):
+    assert cli.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GB", "12XB", "-1GB", "3iB", "1,5GB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_size(text)
+
+
+def test_serve_flags_reach_engine_settings():
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "smollm2",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9001",
+            "--api-key",
+            "k",
+            "--policy",
+            "combined",
+            "--block-size",
+            "32",
+            "--gpu-memory-utilization",
+            "0.8",
+            "--gpu-memory-budget",
+            "80GB",
+            "--kv-cache-budget",
+            "20GiB",
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "4096",
+            "--tensor-parallel-size",
+            "2",
+            "--load-format",
+            "dummy",
+            "--enforce-eager",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert (args.command, args.model, args.host, args.port, args.api_key, args.policy) == (
+        "serve",
+        "smollm2",
+        "0.0.0.0",
+        9001,
+        "k",
+        "combined",
+    )
+    assert cli.engine_settings(args) == {
+        "device": "cpu",
+        "block_size": 32,
+        "gpu_memory_utilization": 0.8,
+        "gpu_memory_budget": 80 * 10**9,
+        "kv_cache_budget": 20 * 2**30,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 4096,
+        "max_model_len": None,
+        "tensor_parallel_size": 2,
+        "load_format": "dummy",
+        "enforce_eager": True,
+        "seed": 0,
+        "cpu_kv_blocks": 512,
+    }
+    from elastiserve.engine.config import EngineConfig
+
+    config = EngineConfig(model=args.model, policy=args.policy, **cli.engine_settings(args))
+    assert config.kv_cache_budget == 20 * 2**30 and config.policy == "combined"
+
+
+def test_serve_rejects_unknown_policy(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "m", "--policy", "fp4"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_bench_flags_make_a_plan(tmp_path):
+    args = cli.build_parser().parse_args(
+        [
+            "bench",
+            "smollm2",
+            "--policies",
+            "dps",
+            "--policies",
+            "static-fp16",
+            "--workload",
+            "gamma",
+            "--rate",
+            "1",
+            "--rate",
+            "2.5",
+            "--cv",
+            "2",
+            "--trace",
+            "azure-window",
+            "--count",
+            "40",
+            "--out",
+            str(tmp_path),
+            "--max-output",
+            "64",
+        ]
+    )
+    plan = plan_from_args(args, {"device": "cpu"})
+    assert plan.policies == ("dps", "static-fp16") and plan.rates == (1.0, 2.5)
+    assert plan.workload.kind == "gamma" and plan.workload.cv == 2.0 and plan.workload.count == 40
+    assert plan.workload.max_output == 64 and plan.out_dir == tmp_path and plan.settings == {"device": "cpu"}
+    fixed = plan_from_args(
+        cli.build_parser().parse_args(
+            [
+                "bench",
+                "m",
+                "--workload",
+                "fixed",
+                "--rate",
+                "3",
+                "--input-len",
+                "4096",
+                "--output-len",
+                "1024",
+                "--concurrency",
+                "8",
+                "--concurrency",
+                "16",
+            ]
+        ),
+        {},
+    )
+    assert fixed.workload.input_len == 4096 and fixed.concurrencies == (8, 16) and fixed.workload.rate == 3.0
+    assert fixed.points() == [(None, 8), (None, 16)]
+
+
+def test_generate_writes_jsonl(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "make_engine", lambda model, policy, settings: FakeEngine())
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "hello"},
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+                {"prompt_token_ids": [1, 2, 3], "max_tokens": 200},
+            ]
+        )
+        + "\n"
+    )
+    out = tmp_path / "out" / "o.jsonl"
+    assert cli.main(["generate", "fake", "--input", str(prompts), "--output", str(out), "--max-tokens", "5"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert rows[0]["text"] == SCRIPT[:5] and rows[0]["finish_reason"] == "length"
+    assert rows[1]["text"] == SCRIPT[:3] and rows[1]["input"]["messages"][0]["content"] == "hi"
+    assert rows[2]["text"] == SCRIPT and rows[2]["finish_reason"] == "stop"
+
+
+def test_generate_on_smollm2(tmp_path):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt": "The capital of France is"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    assert (
+        cli.main(
+            [
+                "generate",
+                "smollm2",
+                "--device",
+                "cpu",
+                "--max-model-len",
+                "128",
+                "--input",
+                str(prompts),
+                "--output",
+                str(out),
+                "--max-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+    row = json.loads(out.read_text())
+    assert len(row["token_ids"]) == 4 and "Paris" in row["text"]

@@ -1,0 +1,316 @@
+"""OpenAI-compatible server: the official `openai` client (streaming and not), 400 bodies for bad input, 401 without
+the API key, a client disconnect mid-stream freeing the request's blocks, engine failures failing only their requests,
+and a parseable /metrics page.
+
+Tests taking ``served`` run twice: against the fake engine and against the real `LLMEngine` on SmolLM2 (CPU).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from fake_engine import SCRIPT, FakeEngine
+
+from elastiserve.engine.async_engine import AsyncEngine
+from elastiserve.engine.server import BackgroundServer, build_app
+
+pytestmark = [pytest.mark.cpu]
+MODEL = "test-model"
+
+
+def real_engine():
+    from elastiserve.engine.config import EngineConfig
+    from elastiserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model="smollm2", device="cpu", max_model_len=256, max_num_seqs=4, cpu_kv_blocks=128, policy="static-fp16"
+        )
+    )
+
+
+class Served:
+    def __init__(self, engine, api_key=None):
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine).start()
+        self.app = build_app(self.async_engine, engine.tokenizer, model_name=MODEL, api_key=api_key)
+        self.server = BackgroundServer(self.app).__enter__()
+        self.url = self.server.base_url
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=120)
+
+    def close(self):
+        self.server.__exit__(None, None, None)
+        self.async_engine.shutdown()
+
+    def on_engine(self, fn):
+        return self.async_engine.submit(fn).result(30)
+
+    def wait_idle(self, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.on_engine(self.engine.has_unfinished):
+                return True
+            time.sleep(0.05)
+        return False
+
+
+@pytest.fixture(scope="module", params=["fake", "smollm2"])
+def served(request):
+    engine = FakeEngine(num_blocks=256, step_delay_s=0.005) if request.param == "fake" else real_engine()
+    s = Served(engine)
+    s.kind = request.param
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def fake_served():
+    s = Served(FakeEngine(num_blocks=256, step_delay_s=0.005))
+    yield s
+    s.close()
+
+
+def post_raw(url, path, body: bytes, headers=None):
+    req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_models_and_health(served):
+    assert [m.id for m in served.client.models.list().data] == [MODEL]
+    with urllib.request.urlopen(served.url + "/health", timeout=10) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+
+
+def test_completion_stream_equals_non_stream(served):
+    args = dict(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    full = served.client.completions.create(**args)
+    assert full.usage.completion_tokens == 6 and full.choices[0].finish_reason == "length"
+    prompt_tokens = len(served.engine.tokenizer.encode("The capital of France is"))
+    assert full.usage.prompt_tokens == prompt_tokens
+    assert full.usage.total_tokens == prompt_tokens + 6
+    chunks = list(served.client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
+
+
+def test_chat_stream_and_non_stream(served):
+    messages = [{"role": "user", "content": "Say hello."}]
+    full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)
+    assert full.choices[0].message.role == "assistant"
+    assert 1 <= full.usage.completion_tokens <= 5
+    rendered = served.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected_prompt = len(served.engine.tokenizer.encode(rendered)) if isinstance(rendered, str) else len(rendered)
+    assert full.usage.prompt_tokens == expected_prompt
+    stream = served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0.0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "nope", "prompt": "hi"}, "model"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1.0}, None),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0.0}, None),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+        ({"model": MODEL, "prompt": 5}, "prompt"),
+        ({"model": MODEL, "prompt": "hi " * 400, "max_tokens": 4}, "max_tokens"),
+        ({"model": MODEL}, "prompt"),
+    ],
+)
+def test_bad_completion_requests_get_400(served, body, param):
+    status, payload = post_raw(served.url, "/v1/completions", json.dumps(body).encode())
+    assert status == 400
+    error = payload["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_malformed_json_and_bad_chat_get_400(served):
+    status, payload = post_raw(served.url, "/v1/completions", b"{not json")
+    assert status == 400 and "malformed JSON" in payload["error"]["message"]
+    bad_chat = json.dumps({"model": MODEL, "messages": "hi"}).encode()
+    status, payload = post_raw(served.url, "/v1/chat/completions", bad_chat)
+    assert status == 400 and payload["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
+    assert info.value.status_code == 400 and "n=1" in str(info.value)
+
+
+def open_stream(url, max_tokens):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {
+        "model": MODEL,
+        "prompt": "Count: one two three",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def test_client_disconnect_mid_stream_frees_blocks(served):
+    assert served.wait_idle()
+    conn, resp = open_stream(served.url, max_tokens=200)
+    assert resp.status == 200
+    assert resp.read(7) == b"data: {"  # read() undoes the chunked transfer encoding
+    assert served.on_engine(served.engine.has_unfinished)  # still generating when we leave
+    conn.sock.close()
+    conn.close()
+    assert served.wait_idle(), "the aborted request is still in the engine"
+    stats = served.async_engine.last_stats
+    if served.kind == "fake":
+        assert stats["num_used_blocks"] == 0 and served.engine.aborted
+    assert served.async_engine.num_in_flight == 0
+
+
+def test_api_key_required():
+    s = Served(FakeEngine(), api_key="sekret")
+    try:
+        assert s.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert info.value.status_code == 401
+        status, payload = post_raw(s.url, "/v1/completions", b"{}")
+        assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+        with urllib.request.urlopen(s.url + "/health", timeout=10) as resp:  # health stays open for probes
+            assert resp.status == 200
+    finally:
+        s.close()
+
+
+def test_stop_strings_and_multibyte_streaming(fake_served):
+    client = fake_served.client
+    full = client.completions.create(model=MODEL, prompt="x", max_tokens=200)
+    assert full.choices[0].text == SCRIPT and full.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(model=MODEL, prompt="x", max_tokens=200, stream=True)
+    )
+    assert streamed == SCRIPT  # multi-byte characters arrive whole
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt="x", max_tokens=200, stop=["☃ and", "zzz"], stream=stream)
+        text = out.choices[0].text if not stream else "".join(c.choices[0].text for c in out)
+        assert text == SCRIPT[: SCRIPT.index("☃ and")]
+    assert fake_served.wait_idle()
+
+
+def test_engine_failure_fails_requests_not_server(fake_served):
+    assert fake_served.wait_idle()
+    fake_served.engine.fail_next_step = True
+    with pytest.raises(openai.InternalServerError):
+        fake_served.client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    out = fake_served.client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert out.choices[0].text == SCRIPT[:3]
+    assert fake_served.async_engine.step_errors == 1
+
+
+def test_overload_queues_and_all_complete():
+    s = Served(FakeEngine(num_blocks=12, max_num_seqs=8))  # room for about two requests at a time
+    try:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            results = list(
+                pool.map(
+                    lambda i: s.client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=20, temperature=0.0),
+                    range(6),
+                )
+            )
+        assert all(r.choices[0].text == SCRIPT[:20] for r in results)
+        assert s.engine.used_blocks == 0
+    finally:
+        s.close()
+
+
+SAMPLE = re.compile(
+    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '
+    r"(-?[0-9.e+-]+|\+Inf|-Inf|NaN)$"
+)
+
+
+def test_metrics_page_parses(fake_served):
+    fake_served.client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+    fake_served.on_engine(lambda: None)  # an op refreshes the cached stats
+    with urllib.request.urlopen(fake_served.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* ", line), line
+            continue
+        assert SAMPLE.match(line), f"not a Prometheus sample: {line!r}"
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    assert samples["elastiserve_requests_total"] >= 1
+    assert samples["elastiserve_time_to_first_token_seconds_count"] >= 1
+    assert (
+        samples['elastiserve_time_to_first_token_seconds_bucket{le="+Inf"}']
+        == samples["elastiserve_time_to_first_token_seconds_count"]
+    )
+    assert samples["elastiserve_kv_usage"] == 0.0
+    assert samples['elastiserve_mode{value="full"}'] == 1
+    assert samples["elastiserve_preemptions"] == 0
+
+
+def test_async_engine_direct_use():
+    """Leaving the iterator early aborts the request; add_request errors propagate; a stopped engine refuses work."""
+    import asyncio
+    import contextlib
+
+    from elastiserve.engine.async_engine import EngineStopped
+    from elastiserve.engine.errors import InvalidRequest
+    from elastiserve.engine.sampling import SamplingParams
+
+    engine = FakeEngine(step_delay_s=0.002)
+    with pytest.raises(EngineStopped):
+        AsyncEngine(engine).submit(lambda: None)
+    async_engine = AsyncEngine(engine).start()
+
+    async def scenario():
+        seen = []
+        outputs = async_engine.generate("a", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                seen.extend(out.new_token_ids)
+                if len(seen) == 3:
+                    break
+        with pytest.raises(InvalidRequest):
+            async for _ in async_engine.generate("b", [1, 2], SamplingParams(temperature=-1.0)):
+                pass
+        full = [t async for out in async_engine.generate("c", [5], SamplingParams(max_tokens=4)) for t in
+                out.new_token_ids]
+        return seen, full, await async_engine.stats()
+
+    try:
+        seen, full, stats = asyncio.run(scenario())
+        assert seen == full[:3] == list(SCRIPT.encode()[:3]) and len(full) == 4
+        assert async_engine.submit(lambda: engine.aborted).result(10) == ["a"]
+        assert stats["num_used_blocks"] == 0 and async_engine.num_in_flight == 0
+    finally:
+        async_engine.shutdown()
+    assert not async_engine.is_running
