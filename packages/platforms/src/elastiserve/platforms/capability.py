@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from elastiserve.platforms.env import EnvSettings, settings, triton_interpret
 from elastiserve.platforms.errors import BackendUnavailable
@@ -23,13 +23,13 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
-class Vendor(str, Enum):
+class Vendor(StrEnum):
     NVIDIA = "nvidia"
     AMD = "amd"
     CPU = "cpu"
 
 
-class FastGemm(str, Enum):
+class FastGemm(StrEnum):
     """How fast mode multiplies by the 8-bit upper plane on this arch."""
 
     FP8_MMA = "fp8_mma"  # native OCP fp8 MMA, dynamic per-token activation quantization
