@@ -1,7 +1,11 @@
 """Pins the simulator end to end on the bundled Azure conversation window: all five presets run and print one table;
 `combined` beats `dps` and `elastickv` at no more BASE exposure / FP8 time; DPS makes few long mode windows; the
-ElasticKV ablations move BASE exposure in the paper's direction; steady load does not flap; replicas and the pool
-stay consistent. Numbers come from the placeholder H200 step model (see data/README.md)."""
+ElasticKV ablations, run in the paper's closed-loop high-pressure setting, move exposure / TPOT / TTFT in the
+paper's directions where the byte-costed transition model reproduces them (the rest is explained in the package
+README); fidelity transitions cost step time; steady load does not flap; replicas and the pool stay consistent.
+Numbers come from the placeholder H200 step model (see data/README.md)."""
+
+from dataclasses import replace
 
 import pytest
 
@@ -10,11 +14,15 @@ from elastiserve.control.metrics import format_table
 from elastiserve.control.sim_replica import ReplicaConfig
 from elastiserve.control.simulate import ablation, main
 from elastiserve.control.simulator import SimConfig, capacity_sweep, simulate
-from elastiserve.control.workloads import load_trace, synthetic
+from elastiserve.control.step_model import load_step_model
+from elastiserve.control.workloads import Request, load_trace, synthetic
+from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
 SIM = SimConfig(replica=ReplicaConfig(native_blocks=4096, units_per_layer=32, max_num_seqs=128))
+PAPER_SIM = SimConfig(replica=ReplicaConfig(native_blocks=2560, units_per_layer=32, max_num_seqs=128,
+                                            max_num_batched_tokens=2048), max_concurrency=38)
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +32,32 @@ def bursty():
     return {name: simulate(requests, name, SIM) for name in PRESETS}
 
 
-@pytest.fixture(scope="module")
-def moderate():
-    """Same window 3.3x faster: ElasticKV needs ~6 % BASE exposure, the regime of the paper's ablations."""
-    requests = load_trace("azure-window", 0, 1200, time_scale=0.3)
-    runs = {"elastickv": simulate(requests, "elastickv", SIM)}
+def _ablations(requests, sim, step_model=None):
+    runs = {"elastickv": simulate(requests, "elastickv", sim, step_model)}
     for name in ("watermark-demotion", "eager-promotion", "no-promotion"):
-        runs[name] = simulate(requests, ablation(name), SIM)
-    return {name: run.summary() for name, run in runs.items()}
+        runs[name] = simulate(requests, ablation(name), sim, step_model)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def paper_pressure():
+    """The paper's ablation setting (App. C.6/C.7), scaled down 4x in length: a closed-loop client at maximum
+    concurrency 38 sends fixed-length requests (4096/1024 there, 1024/256 here) into a KV budget of 84 % of the
+    38 sequences' peak demand (20 GB of 38 x 5120 tokens x 128 KiB there; 2560 of 38 x 80 blocks here). This is the
+    regime the ablation claims are made in: high concurrency, sustained pressure, every step near a full pool. Here
+    ElasticKV also lands where the paper's profiled run did: no preemption, ~14 % BASE exposure (paper 14.7 %), about
+    as many promotions as demotions (0.87 of them; paper 0.86). The open-loop Azure window is a different regime
+    (bursty, heterogeneous lengths, ~6 % exposure): see ``azure_moderate``."""
+    requests = [Request(i, 0.0, 1024, 256) for i in range(600)]
+    return {name: run.summary() for name, run in _ablations(requests, PAPER_SIM).items()}
+
+
+@pytest.fixture(scope="module")
+def azure_moderate():
+    """Azure window 3.3x faster, open loop: bursts with heterogeneous lengths, ~6 % BASE exposure. Demand falls
+    after bursts here, which is when promotion has room to pay back its fidelity (it barely can at constant demand)."""
+    requests = load_trace("azure-window", 0, 1200, time_scale=0.3)
+    return {name: run.summary() for name, run in _ablations(requests, SIM).items()}
 
 
 def test_all_presets_finish_and_print_one_table(bursty):
@@ -67,16 +93,61 @@ def test_dps_makes_few_long_mode_windows(bursty):
     assert all(0 < x < 1.0 for x in log.restore_latencies())
 
 
-def test_elastickv_ablations_direction(moderate):
-    base = moderate["elastickv"]
+def test_elastickv_ablations_in_the_papers_regime(paper_pressure):
+    """Paper Tab. 3: watermark demotion raises BASE exposure and P90 TTFT; eager promotion raises P90 TTFT (and
+    TPOT); no promotion nearly doubles exposure. With transitions costed from bytes on the H200 (see README, 'ElasticKV
+    ablations'), what holds here: the exposure direction of the watermark; eager promotion's churn (about 2.4x the
+    demotions and promotions) raising TPOT through the pack/unpack work it puts in steps; and the paper's side note
+    that no promotion slightly improves P90 TTFT (in-flight promotions hold two fresh blocks each, so a new request
+    waits a step for its prompt blocks). Not reproduced, and so not asserted: the watermark's and eager promotion's
+    P90 TTFT (a P90 TTFT here is one or two prefill steps, and no queue amplifies a transition cost: one round of
+    promotion copies fits under a step, so the H2D queue never delays one) and no-promotion's exposure (demand is
+    constant here, so the BASE pairs needed are the same with or without promotion)."""
+    runs = paper_pressure
+    base, watermark, eager, frozen = (runs[n] for n in ("elastickv", "watermark-demotion", "eager-promotion",
+                                                         "no-promotion"))
     print()
-    print(format_table([s.row() for s in moderate.values()]))
+    print(format_table([s.row() for s in runs.values()]))
+    assert all(s.preemptions == 0 and s.finished == s.requests == 600 for s in runs.values())
+    assert 0.10 < base.base_exposure < 0.20
+    assert 0.8 < base.promoted_pairs / base.demoted_pairs < 0.95
+    assert watermark.base_exposure > 1.5 * base.base_exposure
+    assert eager.promoted_pairs > 2 * base.promoted_pairs and eager.demoted_pairs > 2 * base.demoted_pairs
+    assert eager.tpot_mean > 1.02 * base.tpot_mean
+    assert frozen.promoted_pairs == 0 and frozen.base_exposure >= base.base_exposure
+    assert frozen.ttft_p90 < base.ttft_p90
+
+
+def test_no_promotion_raises_exposure_when_demand_falls(azure_moderate):
+    """Where demand falls after bursts, promotion pays fidelity back: without it exposure rises ~1.5x (paper ~2x).
+    Requests queue here, so eager promotion's churn (more demotion batches and unpacks in steps, more blocks held by
+    in-flight promotions) shows in P90 TTFT (+3 %, a small margin; +1 % before promotion was costed)."""
+    runs = azure_moderate
+    base = runs["elastickv"]
+    print()
+    print(format_table([s.row() for s in runs.values()]))
     assert base.preemptions == 0 and 0 < base.base_exposure < 0.2
-    assert moderate["watermark-demotion"].base_exposure > base.base_exposure
-    assert moderate["no-promotion"].base_exposure > 1.3 * base.base_exposure
-    assert moderate["no-promotion"].promoted_pairs == 0
-    eager = moderate["eager-promotion"]
-    assert eager.promoted_pairs > base.promoted_pairs and eager.demoted_pairs > base.demoted_pairs
+    assert runs["watermark-demotion"].base_exposure > base.base_exposure
+    assert runs["no-promotion"].base_exposure > 1.3 * base.base_exposure
+    assert runs["eager-promotion"].ttft_p90 > base.ttft_p90
+
+
+def test_transition_time_is_paid_in_steps():
+    """Both costs reach the step time: with ElasticKV's measured demotion batch (25 ms on A100, Tab. 2) instead of
+    our fused kernel's, the watermark's extra demotion batches raise TPOT (its P90 TTFT is still one prefill step,
+    as the closed loop never queues a request behind another's prefill). With a PCIe link slow enough
+    that one round of promotion copies outlasts a step, the step's upload waits for them and TPOT rises."""
+    requests = [Request(i, 0.0, 1024, 256) for i in range(300)]
+    slow_demote = replace(load_step_model(), demote_batch_s=0.025)
+    base = simulate(requests, "elastickv", PAPER_SIM, slow_demote).summary()
+    watermark = simulate(requests, ablation("watermark-demotion"), PAPER_SIM, slow_demote).summary()
+    assert watermark.demoted_pairs > base.demoted_pairs
+    assert watermark.tpot_mean > 1.05 * base.tpot_mean
+    slow_link = replace(load_step_model(), h2d_bytes_per_s=1e9)
+    fast_run = simulate(requests, preset("elastickv").with_kv(promotion="eager"), PAPER_SIM)
+    slow_run = simulate(requests, preset("elastickv").with_kv(promotion="eager"), PAPER_SIM, slow_link)
+    assert fast_run.replicas[0].h2d_stall_s == 0 < slow_run.replicas[0].h2d_stall_s
+    assert slow_run.summary().tpot_mean > fast_run.summary().tpot_mean
 
 
 def test_light_steady_load_makes_no_transitions():
@@ -144,3 +215,15 @@ def test_caps_hold_in_simulation():
     s = run.summary()
     assert 0 < s.base_exposure <= 0.05 and s.preemptions > 0
     assert starts and max(starts) <= 4
+
+
+def test_closed_loop_client_keeps_concurrency():
+    """``max_concurrency`` paces a burst like a benchmark client: never more outstanding, sent as slots free up."""
+    requests = [Request(i, 0.0, 200, 30) for i in range(12)]
+    run = simulate(requests, "elastickv", SimConfig(replica=SIM.replica, max_concurrency=3))
+    recs = run.records
+    for t in sorted({r.arrival for r in recs}):
+        assert sum(r.arrival <= t < r.finish for r in recs) <= 3
+    assert sorted(r.arrival for r in recs)[3] > 0 and all(r.finished for r in recs)
+    with pytest.raises(ConfigError):
+        SimConfig(max_concurrency=0)

@@ -1,5 +1,13 @@
 """One simulated serving replica: continuous batching, FCFS, chunked prefill under a token budget, preemption by
-recompute, and the control plane (``Arbiter``) deciding demotion / eviction / promotion / restore each step."""
+recompute, and the control plane (``Arbiter``) deciding demotion / eviction / promotion / restore each step.
+
+Host->device traffic goes through one in-order H2D copy queue (``h2d_free_at``): promotion low bytes, residual
+restores, and each step's own input upload (token ids, positions, block tables). The runner uploads a step's inputs
+before it issues the copies decided in the previous round, so those copies overlap the step's forward pass; the
+next step's upload waits for whatever is still in flight. Promotion therefore costs step time only when the bytes
+queued in one round take longer than a step to move (a queue can't reorder past them). Once a promotion's copy has
+landed, the next step runs its unpack kernel (launch + 4 blocks of HBM traffic per pair, in the step time) and
+publishes the pair; until then it holds its two fresh blocks as well as the packed one."""
 
 from __future__ import annotations
 
@@ -56,10 +64,12 @@ class Replica:
         self.events = EventLog()
         self.exposure = ExposureMeter()
         self.modes = ModeMeter(rc.residual_layers)
-        self.link_free_at = 0.0
+        self.h2d_free_at = 0.0
+        self._upload_barrier = 0.0  # when the H2D queue frees up for the next step's input upload
         self.restoring: tuple[int, float] | None = None
         self.promotions: list[tuple[float, SimSequence, int]] = []
         self._was_fast = False
+        self.h2d_stall_s = 0.0
         self._preempted_now: set[int] = set()
 
     # ---- intake ---------------------------------------------------------------------------------------------
@@ -257,7 +267,7 @@ class Replica:
     # ---- one step -----------------------------------------------------------------------------------------------
     def run_step(self) -> bool:
         """One scheduling step; returns False when nothing could run (the caller advances time)."""
-        self._complete_transfers()
+        landed = self._complete_transfers()
         required, demand, chunks = self._plan()
         probe = self.arbiter.should_probe(self.pool.free_block_count())
         probed = demand if probe else None
@@ -272,14 +282,18 @@ class Replica:
         decodes, prefills = self._schedule(chunks)
         self._note_mode()
         if not decodes and not prefills:
+            self._upload_barrier = self.h2d_free_at
             self._recover()
-            return False
-        self._execute(decodes, prefills, demoted)
+            return False  # promotions that landed were unpacked on an idle GPU: no step pays for them
+        self._execute(decodes, prefills, demoted, landed)
+        self._upload_barrier = self.h2d_free_at
         self._recover()
         self.step += 1
         return True
 
-    def _execute(self, decodes: list[SimSequence], prefills: list[tuple[SimSequence, int]], demoted: int) -> None:
+    def _execute(
+        self, decodes: list[SimSequence], prefills: list[tuple[SimSequence, int]], demoted: int, unpacked: int
+    ) -> None:
         bs = self.rc.block_size
         batch = decodes + [s for s, _ in prefills]
         prefill_tokens = sum(c for _, c in prefills)
@@ -299,9 +313,12 @@ class Replica:
                 s.record.base_pair_reads += base
         fast_layers = len(self.pool.evicted_layers())
         fast = fast_layers / max(1, self.pool.num_layers)
-        dt = self.sm.step_time(len(decodes) + prefill_tokens, context, base_ctx, fast, demoted)
+        # The step's input upload queues behind the H2D bytes issued before it (earlier rounds' copies).
+        upload_wait = max(0.0, self._upload_barrier - self.now)
+        dt = upload_wait + self.sm.step_time(len(decodes) + prefill_tokens, context, base_ctx, fast, demoted, unpacked)
         self.exposure.add(dt, base_read, pairs_read)
         self.modes.add(dt, fast_layers)
+        self.h2d_stall_s += upload_wait
         self.now += dt
         for s in decodes:
             s.computed += 1
@@ -331,9 +348,9 @@ class Replica:
         if decision.start_restore:
             layer = decision.restore_layers[0]
             self.pool.begin_restore(layer)
-            start = max(self.now, self.link_free_at)
-            self.link_free_at = start + self.pool.units_per_layer * self.sm.restore_per_unit_s
-            self.restoring = (layer, self.link_free_at)
+            start = max(self.now, self.h2d_free_at)
+            self.h2d_free_at = start + self.pool.units_per_layer * self.sm.restore_per_unit_s
+            self.restoring = (layer, self.h2d_free_at)
             self.events.add(self.now, self.step, "restore_start", 1, "; ".join(decision.reasons))
 
     def _start_promotions(self, n: int, reasons: tuple[str, ...]) -> None:
@@ -345,15 +362,17 @@ class Replica:
             fresh = self.pool.alloc_blocks(2)
             if fresh is None:
                 break
-            start = max(self.now, self.link_free_at)
-            self.link_free_at = start + self.sm.promote_per_pair_s
-            seq.promoting[pair] = PromotionInFlight(pair, fresh, self.link_free_at)
-            self.promotions.append((self.link_free_at, seq, pair))
+            start = max(self.now, self.h2d_free_at)
+            self.h2d_free_at = start + self.sm.promote_copy_per_pair_s
+            seq.promoting[pair] = PromotionInFlight(pair, fresh, self.h2d_free_at)
+            self.promotions.append((self.h2d_free_at, seq, pair))
             started += 1
         if started:
             self.events.add(self.now, self.step, "promote_start", started, "; ".join(reasons))
 
-    def _complete_transfers(self) -> None:
+    def _complete_transfers(self) -> int:
+        """Publish promotions whose copy has landed (the coming step unpacks them) and commit a finished restore;
+        returns the number of pairs published."""
         done = [p for p in self.promotions if p[0] <= self.now]
         if done:
             self.promotions = [p for p in self.promotions if p[0] > self.now]
@@ -364,6 +383,7 @@ class Replica:
             self.restoring = None
             self.events.add(self.now, self.step, "restore_done", 1, "residual copied back")
         self._note_mode()
+        return len(done)
 
     def _note_mode(self) -> None:
         fast = bool(self.pool.evicted_layers())

@@ -1,6 +1,11 @@
 """Command line: run presets (and optionally the ElasticKV ablations) over a trace window and print one table.
 
     python -m elastiserve.control.simulate --trace azure --window 0:1200 --time-scale 0.2 --presets all
+
+The ElasticKV ablation setting (paper App. C.6, lengths scaled 4x down), a closed-loop client at concurrency 38:
+
+    python -m elastiserve.control.simulate --fixed 1024:256:600 --max-concurrency 38 --native-blocks 2560 \
+        --max-num-batched-tokens 2048 --presets elastickv --ablations
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from elastiserve.control.metrics import format_table
 from elastiserve.control.sim_replica import ReplicaConfig
 from elastiserve.control.simulator import SimConfig, simulate
 from elastiserve.control.step_model import load_step_model
-from elastiserve.control.workloads import load_trace
+from elastiserve.control.workloads import Request, load_trace
 from elastiserve.platforms import ConfigError
 
 ABLATIONS = {
@@ -38,11 +43,22 @@ def parse_window(text: str) -> tuple[int, int | None]:
         raise ConfigError(f"--window wants START:COUNT, got {text!r}") from exc
 
 
+def parse_fixed(text: str) -> list[Request]:
+    """PROMPT:OUTPUT:COUNT -> COUNT identical requests, all ready at t=0 (pace them with --max-concurrency)."""
+    try:
+        prompt, output, count = (int(x) for x in text.split(":"))
+    except ValueError as exc:
+        raise ConfigError(f"--fixed wants PROMPT:OUTPUT:COUNT, got {text!r}") from exc
+    return [Request(i, 0.0, prompt, output) for i in range(count)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m elastiserve.control.simulate", description=__doc__)
     p.add_argument("--trace", default="azure", help="azure, azure-window, mooncake, sharegpt, arxiv, sharegpt-v3")
     p.add_argument("--window", default="0:1200", help="START:COUNT rows of the trace")
     p.add_argument("--time-scale", type=float, default=0.2, help="multiply arrival offsets (0.2 = 5x faster)")
+    p.add_argument("--fixed", default=None, help="PROMPT:OUTPUT:COUNT fixed-length requests instead of a trace")
+    p.add_argument("--max-concurrency", type=int, default=None, help="closed-loop client: most requests outstanding")
     p.add_argument("--rate", type=float, default=None, help="replace arrivals with Gamma(cv) arrivals at this rate")
     p.add_argument("--cv", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
@@ -62,14 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> str:
     args = build_parser().parse_args(argv)
     start, count = parse_window(args.window)
-    requests = load_trace(args.trace, start, count, rate=args.rate, cv=args.cv, seed=args.seed,
-                          time_scale=args.time_scale, trace_dir=args.trace_dir)
+    if args.fixed:
+        requests = parse_fixed(args.fixed)
+    else:
+        requests = load_trace(args.trace, start, count, rate=args.rate, cv=args.cv, seed=args.seed,
+                              time_scale=args.time_scale, trace_dir=args.trace_dir)
     names = list(PRESETS) if args.presets == "all" else [n.strip() for n in args.presets.split(",")]
     configs = [preset(n) for n in names] + ([ablation(a) for a in ABLATIONS] if args.ablations else [])
     sim = SimConfig(
         replica=ReplicaConfig(native_blocks=args.native_blocks, units_per_layer=args.units_per_layer,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-        replicas=args.replicas, router=args.router,
+        replicas=args.replicas, router=args.router, max_concurrency=args.max_concurrency,
     )
     step_model = load_step_model(args.step_model)
     rows = []
@@ -80,7 +99,9 @@ def main(argv: list[str] | None = None) -> str:
         row["sim s"] = f"{time.perf_counter() - began:.1f}"
         rows.append(row)
     table = format_table(rows)
-    header = (f"{args.trace} rows {start}:{'' if count is None else start + count} ({len(requests)} requests), "
+    end = "" if count is None else start + count
+    source = f"fixed {args.fixed}" if args.fixed else f"{args.trace} rows {start}:{end}"
+    header = (f"{source} ({len(requests)} requests), "
               f"{args.replicas} replica(s), step model: {step_model.device} [{step_model.provenance[:40]}...]")
     print(header)
     print(table)

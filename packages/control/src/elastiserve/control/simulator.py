@@ -2,13 +2,16 @@
 
 Each replica keeps its own clock and advances one scheduling step at a time; before a request is routed at its
 arrival time, every replica is stepped up to that time, so a least-loaded router sees current queue lengths.
+With ``SimConfig.max_concurrency`` the stream is closed-loop like a benchmark client's ``--max-concurrency``: a
+request is sent at its arrival or, when that many are outstanding, as soon as one finishes (TTFT counts from the
+send, as the client measures it).
 The control plane, the pair/unit bookkeeping and the metrics are the real ones; only the GPU is a step-time model.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elastiserve.control.config import ControlConfig, preset
 from elastiserve.control.metrics import (
@@ -39,10 +42,13 @@ class SimConfig:
     router: str = "least-loaded"
     ttft_limit_s: float = 2.0
     tbt_factor: float = 5.0
+    max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError("replicas must be >= 1")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ConfigError("max_concurrency must be >= 1 (or None for an open-loop stream)")
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {ROUTERS}")
 
@@ -127,7 +133,12 @@ def simulate(
     sm = step_model or load_step_model()
     stream = sorted(clip_lengths(requests, sim.max_context // 2, sim.max_context // 2), key=lambda r: r.arrival)
     replicas = [Replica(sim.replica, control, sm) for _ in range(sim.replicas)]
+    sent = 0.0  # closed loop: sends are in order, and a free slot found without waiting dates from the last send
     for i, req in enumerate(stream):
+        if sim.max_concurrency is not None:
+            sent = max(sent, _wait_for_slot(replicas, sim.max_concurrency))
+            if sent > req.arrival:
+                req = replace(req, arrival=sent)
         for rep in replicas:
             _advance(rep, req.arrival)
         if sim.router == "round-robin":
@@ -140,17 +151,31 @@ def simulate(
     return SimResult(control.name, replicas, sm.base_tpot(), sim)
 
 
+def _step_or_wait(rep: Replica) -> None:
+    """One step of a busy replica, or a jump to its next transfer completion when nothing can run."""
+    if rep.run_step():
+        return
+    wake = rep.next_wakeup()
+    if wake is None and rep.busy:
+        raise SimulationStalled(f"replica stuck at t={rep.now:.3f} with {rep.load()} requests")
+    if wake is not None:
+        rep.now = max(rep.now, wake)
+
+
+def _wait_for_slot(replicas: list[Replica], limit: int) -> float:
+    """Step the earliest busy replica until fewer than ``limit`` requests are outstanding; returns the send time."""
+    now = 0.0
+    while sum(rep.load() for rep in replicas) >= limit:
+        rep = min((r for r in replicas if r.load()), key=lambda r: r.now)
+        _step_or_wait(rep)
+        now = rep.now
+    return now
+
+
 def _drain(rep: Replica) -> None:
     """Run until every request has finished and every transfer has landed."""
     while rep.busy:
-        if rep.run_step():
-            continue
-        wake = rep.next_wakeup()
-        if wake is None and not rep.busy:
-            return
-        if wake is None:
-            raise SimulationStalled(f"replica stuck at t={rep.now:.3f} with {rep.load()} requests")
-        rep.now = max(rep.now, wake)
+        _step_or_wait(rep)
 
 
 def capacity_sweep(

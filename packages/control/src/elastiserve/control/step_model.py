@@ -1,10 +1,16 @@
 """Step-time model for the simulator: time of one forward pass from batch shape and precision mode.
 
-    t = host_overhead + max(weight read, batch_tokens x compute per token) + context KV read + demotion work
+    t = host_overhead + max(weight read, batch_tokens x compute per token) + context KV read
+        + demotion kernel (launch/metadata + bytes / kernel bandwidth) + unpack of landed promotions (same form)
 
 with weight read and compute interpolated between full and fast by the fraction of fast layers, and BASE context
-tokens read at ``base_read_fraction`` of a TARGET token. Coefficients are data (a JSON carrying the device and
-commit they came from); the shipped default is derived from H200 anchors and marked 'placeholder, not measured'.
+tokens read at ``base_read_fraction`` of a TARGET token. Fidelity transitions are costed from bytes, not fitted:
+a demoted pair reads its two blocks and writes the packed block and the low-byte staging (4 blocks of HBM traffic),
+an unpacked promotion reads the packed block and the staged low bytes and writes two blocks (4 blocks too), both at
+``transition_kernel_bytes_per_s`` (the measured ``kv_demote`` rate, BENCHMARKS.md); a promotion's host->device
+copy moves one block of low bytes at ``h2d_bytes_per_s`` (the replica queues it on its H2D copy engine, see
+``sim_replica``). Coefficients are data (a JSON carrying the device and commit they came from); the shipped default
+is derived from H200 anchors and marked 'placeholder, not measured'.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from pathlib import Path
 from elastiserve.platforms import ConfigError
 
 DEFAULT_STEP_MODEL = "step_model_h200_llama31_8b.json"
+TRANSITION_BLOCKS_MOVED = 4  # HBM bytes of one pack or unpack, in blocks (ARCHITECTURE.md, KV fidelity)
+OPTIONAL_KEYS = {"residual_units_per_layer", "device", "commit", "provenance", "promote_batch_s", "block_bytes",
+                 "h2d_bytes_per_s", "transition_kernel_bytes_per_s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +38,11 @@ class StepModel:
     kv_read_per_token_s: float
     base_read_fraction: float
     demote_batch_s: float
-    demote_per_pair_s: float
-    promote_per_pair_s: float
     restore_per_unit_s: float
+    promote_batch_s: float = 0.0005
+    block_bytes: int = 2 * 1024 * 1024
+    h2d_bytes_per_s: float = 55e9
+    transition_kernel_bytes_per_s: float = 3.93e12
     residual_units_per_layer: int = 104
     device: str = "unknown"
     commit: str = "unknown"
@@ -43,6 +54,23 @@ class StepModel:
             raise ConfigError("step-model coefficients must be >= 0")
         if not 0 < self.base_read_fraction <= 1:
             raise ConfigError("base_read_fraction must lie in (0, 1]")
+        if self.block_bytes < 1 or self.h2d_bytes_per_s <= 0 or self.transition_kernel_bytes_per_s <= 0:
+            raise ConfigError("block_bytes and the transfer bandwidths must be > 0")
+
+    @property
+    def demote_per_pair_s(self) -> float:
+        """Pack kernel per pair: read two blocks, write the packed block and one block of low bytes."""
+        return TRANSITION_BLOCKS_MOVED * self.block_bytes / self.transition_kernel_bytes_per_s
+
+    @property
+    def unpack_per_pair_s(self) -> float:
+        """Unpack kernel per promoted pair: read the packed block and the staged low bytes, write two blocks."""
+        return TRANSITION_BLOCKS_MOVED * self.block_bytes / self.transition_kernel_bytes_per_s
+
+    @property
+    def promote_copy_per_pair_s(self) -> float:
+        """Host->device copy of one pair's low bytes (2 x n bytes for n elements per block: one block's bytes)."""
+        return self.block_bytes / self.h2d_bytes_per_s
 
     def step_time(
         self,
@@ -51,6 +79,7 @@ class StepModel:
         base_context_tokens: int = 0,
         fast_fraction: float = 0.0,
         demoted_pairs: int = 0,
+        unpacked_pairs: int = 0,
     ) -> float:
         """Seconds for one step. ``fast_fraction`` is the fraction of decoder layers in fast (FP8) mode."""
         if batch_tokens <= 0:
@@ -61,7 +90,8 @@ class StepModel:
         target_tokens = context_tokens - base_context_tokens
         kv = self.kv_read_per_token_s * (target_tokens + self.base_read_fraction * base_context_tokens)
         demotion = (self.demote_batch_s + self.demote_per_pair_s * demoted_pairs) if demoted_pairs else 0.0
-        return self.host_overhead_s + max(weights, compute) + kv + demotion
+        unpack = (self.promote_batch_s + self.unpack_per_pair_s * unpacked_pairs) if unpacked_pairs else 0.0
+        return self.host_overhead_s + max(weights, compute) + kv + demotion + unpack
 
     def base_tpot(self, context_tokens: int = 1024) -> float:
         """T_base of the DPS SLO: an unloaded single-request decode step in full mode."""
@@ -76,7 +106,7 @@ def load_step_model(path: Path | None = None) -> StepModel:
         text = Path(path).read_text()
     raw = json.loads(text)
     known = {f.name for f in fields(StepModel)}
-    missing = known - set(raw) - {"residual_units_per_layer", "device", "commit", "provenance"}
+    missing = known - set(raw) - OPTIONAL_KEYS
     if missing:
         raise ConfigError(f"step model is missing {sorted(missing)}")
     return StepModel(**{k: v for k, v in raw.items() if k in known})

@@ -1,0 +1,45 @@
+"""Pins the step-time model's transition costs: demotion and promotion unpack are costed from the bytes they move
+(4 blocks of HBM traffic per pair at the kernel rate) plus a per-batch launch/metadata cost, a promotion's copy
+from one block of low bytes over PCIe; old step-model JSONs (with the former fitted per-pair keys) still load."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from elastiserve.control.step_model import load_step_model
+from elastiserve.platforms import ConfigError
+
+pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
+
+
+def test_per_pair_costs_come_from_block_bytes():
+    sm = load_step_model()
+    assert sm.block_bytes == 2 * 1024 * 1024
+    assert sm.promote_copy_per_pair_s == sm.block_bytes / 55e9  # ~38 us per pair at 55 GB/s
+    assert sm.demote_per_pair_s == sm.unpack_per_pair_s == 4 * sm.block_bytes / 3.93e12  # ~2.1 us per pair
+    halved = replace(sm, block_bytes=sm.block_bytes // 2)
+    assert halved.promote_copy_per_pair_s == pytest.approx(sm.promote_copy_per_pair_s / 2, rel=1e-12)
+
+
+def test_step_time_pays_demotion_and_unpack():
+    sm = load_step_model()
+    plain = sm.step_time(37, 40_000)
+    demoted = sm.step_time(37, 40_000, demoted_pairs=16)
+    unpacked = sm.step_time(37, 40_000, unpacked_pairs=5)
+    assert demoted - plain == pytest.approx(sm.demote_batch_s + 16 * sm.demote_per_pair_s, rel=1e-9)
+    assert unpacked - plain == pytest.approx(sm.promote_batch_s + 5 * sm.unpack_per_pair_s, rel=1e-9)
+    assert sm.step_time(0, 0, unpacked_pairs=5) == 0.0
+
+
+def test_old_json_loads_and_bad_bandwidth_fails(tmp_path):
+    raw = {"host_overhead_s": 0.0015, "weight_read_full_s": 0.0037, "weight_read_fast_s": 0.0019,
+           "compute_per_token_full_s": 2.4e-5, "compute_per_token_fast_s": 1.4e-5, "kv_read_per_token_s": 3e-8,
+           "base_read_fraction": 0.5, "demote_batch_s": 0.004, "demote_per_pair_s": 5e-4,
+           "promote_per_pair_s": 4.2e-5, "restore_per_unit_s": 4.2e-5}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(raw))
+    sm = load_step_model(path)
+    assert sm.demote_batch_s == 0.004 and sm.h2d_bytes_per_s == 55e9
+    with pytest.raises(ConfigError):
+        replace(sm, h2d_bytes_per_s=0.0)
