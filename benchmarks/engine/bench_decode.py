@@ -1,0 +1,457 @@
+"""Engine decode benchmarks with random weights (``load_format="dummy"``), one JSON per run.
+
+(a) roofline: batch-1 decode step in static-fp16 (CUDA-graph replay + logits, CUDA events around many steps, median)
+    against the HBM roofline = bytes read per step (fp16 weights of the decoder, final norm and lm_head, plus the KV of
+    the context) / step time / device-to-device copy bandwidth measured in the same run (bytes read + written).
+    Target >= 75 %.
+(b) fast vs full: the same replay at each batch size on a DPS engine, the runner switched between all-full and
+    all-fast layers (``ModelRunner.set_fast_layers``) between measurements; static-fp16 at the same batch sizes as
+    the reference. Target fast >= 1.6x faster than full.
+(c) switch: a steady decode batch on a DPS engine; ``LLMEngine.force_fast_layers`` full -> fast (the first time,
+    the fast graph is captured lazily: "cold"), back to full, and full -> fast again ("warm"). Every step's wall time
+    is recorded; the report checks the switch applies at the next step, no request is recomputed (its token count
+    grows by one each step, no preemption) and the longest step around each switch against the steady median.
+(d) throughput: offline, ShareGPT lengths (``elastiserve.control.workloads``, capped to ``--max-model-len``), all
+    requests added at once, per policy: output tokens/s and total time.
+
+    python benchmarks/engine/bench_decode.py --model llama-3.1-8b --out decode.json
+    python benchmarks/engine/bench_decode.py --device cpu --model '{"architectures": [...], ...}' --requests 8 ...
+
+``--model`` is a built-in name (llama-3.1-8b, qwen3-8b, ...), a directory with config.json, a config.json file, or
+a config dict as JSON text (written to a temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastiserve.engine.config import POLICIES, EngineConfig
+from elastiserve.engine.llm_engine import LLMEngine
+from elastiserve.engine.runner import ModelRunner, StepInputs
+from elastiserve.engine.sampling import SamplingParams
+
+PARTS = ("roofline", "fast_full", "switch", "throughput")
+GIB = 1 << 30
+
+
+# ---- setup -----------------------------------------------------------------------------------------------------
+def resolve_model(spec: str, workdir: Path) -> str:
+    """A config dict (JSON text) or a config.json file becomes a directory the loader understands."""
+    text = None
+    if spec.lstrip().startswith("{"):
+        text = spec
+    elif spec.endswith(".json") and Path(spec).is_file():
+        text = Path(spec).read_text()
+    if text is None:
+        return spec
+    model_dir = workdir / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(json.loads(text)))
+    return str(model_dir)
+
+
+def build_engine(args: argparse.Namespace, policy: str, *, max_num_seqs: int, kv_bytes: int | None) -> LLMEngine:
+    config = EngineConfig(model=args.model_dir, policy=policy, device=args.device, load_format="dummy",
+                          max_num_seqs=max_num_seqs, max_model_len=args.max_model_len, kv_cache_budget=kv_bytes,
+                          cpu_kv_blocks=args.cpu_kv_blocks, seed=args.seed)
+    return LLMEngine(config, eos_token_ids=())
+
+
+def close_engine(engine: LLMEngine) -> None:
+    """Give the engine's VMM ranges back (nothing releases them on garbage collection) and empty torch's cache."""
+    engine.shutdown()
+    manager = engine.runner.pool.manager
+    engine.runner.graphs = None
+    if manager is not None:
+        manager.close()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def metadata(args: argparse.Namespace) -> dict[str, Any]:
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")}
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "python":
+            platform.python_version(), "commit": commit, "host": platform.node(), "settings": settings}
+
+
+# ---- timing ----------------------------------------------------------------------------------------------------
+def time_calls(fn, device: torch.device, iters: int, trials: int) -> dict[str, float]:
+    """Seconds per call: CUDA events around ``iters`` back-to-back calls on a GPU (wall clock on the CPU)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(trials):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1000.0 / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append((time.perf_counter() - t0) / iters)
+    samples.sort()
+    return {"median_s": statistics.median(samples), "min_s": samples[0], "max_s": samples[-1]}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int, trials: int) -> dict[str, float]:
+    """Device-to-device copy of ``nbytes``: bytes read + written per second."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(7)
+    dst = torch.empty_like(src)
+    t = time_calls(lambda: dst.copy_(src), device, iters, trials)
+    return {"bytes": nbytes, "seconds": t["median_s"], "bytes_per_s": 2 * nbytes / t["median_s"]}
+
+
+# ---- decode batches --------------------------------------------------------------------------------------------
+def prompt_ids(vocab: int, n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def start_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int, tag: str) -> list[str]:
+    """Add ``batch`` requests of ``context`` prompt tokens and step until every one of them is decoding."""
+    if context + max_tokens > engine.max_model_len:
+        raise ValueError(f"--context {context} + {max_tokens} decode steps exceed max_model_len {engine.max_model_len}")
+    rng = random.Random(batch * 7919 + context)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, prompt_ids(engine.vocab_size, context, rng), params)
+    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
+        engine.step()
+    return ids
+
+
+def decode_inputs(engine: LLMEngine, batch: int, context: int) -> StepInputs:
+    """The inputs of one real decode step of ``batch`` sequences (scheduled once, never executed by the engine)."""
+    start_decoding(engine, batch, context, max_tokens=8, tag="dec")
+    scheduled = engine.scheduler.schedule()
+    if not scheduled.is_decode_only or len(scheduled.seqs) != batch:
+        raise RuntimeError(f"expected a decode batch of {batch}, got {scheduled.num_new_tokens}")
+    return ModelRunner.step_inputs(scheduled, engine.kv)
+
+
+def first_rows(inputs: StepInputs, n: int) -> StepInputs:
+    return StepInputs(inputs.tokens[:n], inputs.positions[:n], inputs.slots[:n], inputs.query_lens[:n],
+                      inputs.seq_lens[:n], inputs.block_tables[:n], inputs.pair_modes[:n])
+
+
+def decode_step_fn(runner: ModelRunner, inputs: StepInputs, with_logits: bool = True):
+    """One decode step (graph replay on a GPU, eager forward elsewhere) in the runner's current mode."""
+    n = len(inputs.seq_lens)
+    padded = runner.graphs.padded_size(n, True) if runner.graphs is not None else None
+    with torch.inference_mode():
+        metadata = runner.load_inputs(inputs, padded_batch=padded)
+        captured = runner.graphs.get(padded, metadata.path) if padded is not None else None
+
+    @torch.inference_mode()
+    def step():
+        hidden = captured.replay()[:n] if captured is not None else runner.forward(n, metadata)
+        return runner.model.compute_logits(hidden) if with_logits else hidden
+
+    return step, padded or n
+
+
+def time_modes(engine: LLMEngine, inputs: StepInputs, batches: list[int], modes: dict[str, frozenset[int]],
+               args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for b in batches:
+        row: dict[str, Any] = {"batch": b}
+        for name, layers in modes.items():
+            engine.runner.set_fast_layers(layers)
+            fn, padded = decode_step_fn(engine.runner, first_rows(inputs, b))
+            row[f"{name}_s"] = time_calls(fn, engine.device, args.iters, args.trials)["median_s"]
+            row["padded_batch"] = padded
+        rows.append(row)
+    engine.runner.set_fast_layers(frozenset())
+    return rows
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """fp16 bytes a decode step reads: every decoder layer, the final norm and lm_head (embedding: one row each)."""
+    params = list(model.decoder_layers.parameters()) + list(model.norm.parameters()) + [model.lm_head.weight]
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def kv_bytes_read(model_config: Any, tokens: int) -> int:
+    mc = model_config
+    return tokens * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2
+
+
+# ---- (a) + static-fp16 reference, (b), (c), (d) ----------------------------------------------------------------
+def run_fp16(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+    batches = sorted(set(batches) | {1})  # batch 1 is the roofline's step
+    engine = build_engine(args, "static-fp16", max_num_seqs=max(batches), kv_bytes=args.kv_bytes)
+    inputs = decode_inputs(engine, max(batches), args.context)
+    steps = time_modes(engine, inputs, batches, {"fp16": frozenset()}, args)
+    one = first_rows(inputs, 1)
+    fn, _ = decode_step_fn(engine.runner, one, with_logits=False)
+    forward_only = time_calls(fn, engine.device, args.iters, args.trials)["median_s"]
+    weights = weight_bytes_per_step(engine.model)
+    kv = kv_bytes_read(engine.model.config, one.seq_lens[0])
+    close_engine(engine)
+    copy = copy_bandwidth(torch.device(args.device), args.copy_bytes, args.iters, args.trials)
+    step = next(r["fp16_s"] for r in steps if r["batch"] == 1)
+    roofline = {"step_s": step, "forward_only_s": forward_only, "weight_bytes": weights, "kv_bytes": kv,
+                "context": args.context, "copy": copy, "target": 0.75,
+                "fraction": (weights + kv) / step / copy["bytes_per_s"]}
+    roofline["met"] = bool(roofline["fraction"] >= 0.75)
+    return {"roofline": roofline, "fp16_steps": steps}
+
+
+def run_switch(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
+    """full -> fast (cold) -> full -> fast (warm), ``args.switch_steps`` steps in each mode."""
+    n_layers = engine.model.config.num_hidden_layers
+    plan = [frozenset(), frozenset(range(n_layers)), frozenset(), frozenset(range(n_layers))]
+    per_mode = args.switch_steps
+    ids = start_decoding(engine, args.switch_batch, args.context, len(plan) * per_mode + 8, tag="sw")
+    seqs = [engine.scheduler.find(rid) for rid in ids]
+    preempt0 = engine.scheduler.num_preemptions
+    graphs = engine.runner.graphs
+    padded = graphs.padded_size(len(ids), True) if graphs is not None else None
+    fast_graph_ready = graphs is not None and any(k[0] == padded and k[1] == plan[1] for k in graphs.graphs)
+    records, problems, late = [], [], []
+    for phase, layers in enumerate(plan):
+        engine.force_fast_layers(layers)
+        for k in range(per_mode):
+            before = [(s.num_output_tokens, s.num_computed_tokens) for s in seqs]
+            t0 = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t0
+            after = [(s.num_output_tokens, s.num_computed_tokens) for s in seqs]
+            fast = len(engine.runner.fast_layers)
+            records.append({"phase": phase, "k": k, "wall_s": wall, "fast_layers": fast})
+            if any(a[0] != b[0] + 1 or a[1] != b[1] + 1 for a, b in zip(after, before)):
+                problems.append(f"phase {phase} step {k}: a request did not advance by exactly one token")
+            if k == 0 and fast != len(layers):
+                late.append(f"phase {phase}: mode not applied at the first step after the switch")
+    if engine.scheduler.num_preemptions != preempt0:
+        problems.append("preemptions during the switch run")
+    switches = []
+    if graphs is None:
+        first = "full->fast (eager, no CUDA graphs)"
+    else:
+        first = f"full->fast (fast graph {'already captured' if fast_graph_ready else 'captured at this switch'})"
+    for phase, name in ((1, first), (2, "fast->full"), (3, "full->fast (again)")):
+        prev = [r["wall_s"] for r in records if r["phase"] == phase - 1][2:]
+        new = [r["wall_s"] for r in records if r["phase"] == phase]
+        window = new[:3]
+        median_prev = statistics.median(prev)
+        switches.append({"switch": name, "median_before_s": median_prev, "median_after_s": statistics.median(new[3:]),
+                         "max_first3_after_s": max(window), "max_over_median_before": max(window) / median_prev})
+    for abort_id in ids:
+        engine.abort_request(abort_id)
+    engine.force_fast_layers(frozenset())
+    return {"batch": args.switch_batch, "context": args.context, "steps": records, "switches": switches,
+            "applies_next_step": not late, "no_recompute": not problems, "problems": problems + late,
+            "fast_graph_captured_before": fast_graph_ready}
+
+
+def run_dps(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+    engine = build_engine(args, "dps", max_num_seqs=max([*batches, args.switch_batch]), kv_bytes=args.kv_bytes)
+    out: dict[str, Any] = {}
+    if "fast_full" in args.parts:
+        inputs = decode_inputs(engine, max(batches), args.context)
+        all_layers = frozenset(range(engine.model.config.num_hidden_layers))
+        rows = time_modes(engine, inputs, batches, {"full": frozenset(), "fast": all_layers}, args)
+        for row in rows:
+            row["fast_speedup"] = row["full_s"] / row["fast_s"]
+        out["fast_full"] = rows
+        out["fast_full_target"] = {"speedup": 1.6, "met": all(r["fast_speedup"] >= 1.6 for r in rows)}
+        for seq in list(engine.scheduler.running):
+            engine.abort_request(seq.request_id)
+    if "switch" in args.parts:
+        out["switch"] = run_switch(engine, args)
+    close_engine(engine)
+    return out
+
+
+def sharegpt_requests(args: argparse.Namespace) -> tuple[list[tuple[int, int]], str]:
+    from elastiserve.control import workloads
+
+    trace_dir = Path(args.trace_dir) if args.trace_dir else None
+    for name in (args.trace, "sharegpt-v3", "sharegpt"):
+        try:
+            reqs = workloads.load_trace(name, 0, args.requests, rate=1.0, trace_dir=trace_dir)
+            break
+        except workloads.TraceNotFound:
+            print(f"trace {name!r} not found; trying the next ShareGPT table", file=sys.stderr)
+    else:
+        print("WARNING: no ShareGPT table found: using the bundled Azure conversation window", file=sys.stderr)
+        name, reqs = "azure-window", workloads.load_trace("azure-window", 0, args.requests)
+    cap = args.max_model_len
+    lengths = []
+    for r in reqs:
+        prompt = min(r.prompt_tokens, cap - 1)
+        lengths.append((prompt, max(1, min(r.output_tokens, cap - prompt))))
+    return lengths, name
+
+
+def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    lengths, trace = sharegpt_requests(args)
+    rows = []
+    for policy in args.policies:
+        engine = build_engine(args, policy, max_num_seqs=args.max_num_seqs, kv_bytes=args.throughput_kv_bytes)
+        rng = random.Random(args.seed)
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        warm_lens = [min(16 + 8 * i, args.max_model_len - 4) for i in range(4)]
+        engine.generate([prompt_ids(engine.vocab_size, n, rng) for n in warm_lens], warm)  # compiles the kernels
+        before = engine.stats()
+        for i, (p, o) in enumerate(lengths):
+            params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
+            engine.add_request(f"tp-{i}", prompt_ids(engine.vocab_size, p, rng), params)
+        t0 = time.perf_counter()
+        produced = 0
+        while engine.has_unfinished():
+            produced += sum(len(out.new_token_ids) for out in engine.step())
+        total = time.perf_counter() - t0
+        stats = engine.stats()
+        rows.append({"policy": policy, "requests": len(lengths), "output_tokens": produced, "total_s": total,
+                     "output_tokens_per_s": produced / total, "preemptions": stats["preemptions"] -
+                     before["preemptions"], "steps": stats["steps"] - before["steps"],
+                     "transitions": stats["transitions"], "kv_blocks": stats["total_blocks"]})
+        close_engine(engine)
+    return {"trace": trace, "prompt_tokens": sum(p for p, _ in lengths), "max_model_len": args.max_model_len,
+            "policies": rows}
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+def format_report(result: dict[str, Any]) -> str:
+    lines = []
+    if "roofline" in result:
+        r = result["roofline"]
+        lines.append(f"(a) batch-1 static-fp16 decode step {r['step_s'] * 1e3:.3f} ms (forward only "
+                     f"{r['forward_only_s'] * 1e3:.3f} ms), {(r['weight_bytes'] + r['kv_bytes']) / 1e9:.2f} GB read, "
+                     f"copy {r['copy']['bytes_per_s'] / 1e12:.2f} TB/s -> {100 * r['fraction']:.1f} % of roofline "
+                     f"(target 75 %: {'met' if r['met'] else 'MISSED'})")
+    if "fast_full" in result:
+        fp16 = {r["batch"]: r["fp16_s"] for r in result.get("fp16_steps", [])}
+        lines.append("(b) batch | fp16 ms | full ms | fast ms | fast/full speedup (target 1.6x) | fast vs fp16")
+        for r in result["fast_full"]:
+            ref = fp16.get(r["batch"], math.nan)
+            lines.append(f"    {r['batch']:5d} | {ref * 1e3:7.3f} | {r['full_s'] * 1e3:7.3f} | {r['fast_s'] * 1e3:7.3f}"
+                         f" | {r['fast_speedup']:5.2f}x | {ref / r['fast_s']:5.2f}x")
+    if "switch" in result:
+        s = result["switch"]
+        lines.append(f"(c) switch, batch {s['batch']}: applies at the next step "
+                     f"{'yes' if s['applies_next_step'] else 'NO'}, no recompute "
+                     f"{'yes' if s['no_recompute'] else 'NO'} {'; '.join(s['problems'][:3])}")
+        for sw in s["switches"]:
+            lines.append(f"    {sw['switch']}: max step of the first 3 after {sw['max_first3_after_s'] * 1e3:.2f} ms"
+                         f" = {sw['max_over_median_before']:.2f}x the median before "
+                         f"({sw['median_before_s'] * 1e3:.2f} ms; after {sw['median_after_s'] * 1e3:.2f} ms)")
+    if "throughput" in result:
+        t = result["throughput"]
+        lines.append(f"(d) offline throughput, {t['trace']}, max_model_len {t['max_model_len']}")
+        for r in t["policies"]:
+            lines.append(f"    {r['policy']:12s} {r['output_tokens']:8d} tokens {r['total_s']:8.1f} s "
+                         f"{r['output_tokens_per_s']:9.1f} tok/s  preemptions {r['preemptions']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--batch", dest="batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding sequence in (a)-(c)")
+    p.add_argument("--kv-gib", type=float, default=4.0, help="KV pool of the (a)-(c) engines")
+    p.add_argument("--iters", type=int, default=50, help="decode steps between two CUDA events")
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--copy-gib", type=float, default=2.0)
+    p.add_argument("--switch-batch", type=int, default=16)
+    p.add_argument("--switch-steps", type=int, default=12, help="steps in each mode of the switch run")
+    p.add_argument("--requests", type=int, default=1000, help="(d): ShareGPT requests")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--trace", default="sharegpt-v3")
+    p.add_argument("--trace-dir", default=None)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="(d)")
+    p.add_argument("--throughput-kv-gib", type=float, default=24.0, help="(d): KV pool per policy")
+    p.add_argument("--cpu-kv-blocks", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.batches = sorted(set(args.batches))
+    if args.switch_steps < 4:
+        p.error("--switch-steps must be >= 4 (the medians skip the steps next to a switch)")
+    on_gpu = args.device == "cuda"
+    args.kv_bytes = int(args.kv_gib * GIB) if on_gpu else None
+    args.throughput_kv_bytes = int(args.throughput_kv_gib * GIB) if on_gpu else None
+    args.copy_bytes = int(args.copy_gib * GIB) if on_gpu else 64 << 20
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # tiny CPU smoke runs: intra-op threads only add spin-wait on a shared machine
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as workdir:
+        args.model_dir = resolve_model(args.model, Path(workdir))
+        result: dict[str, Any] = {"metadata": metadata(args)}
+        t0 = time.perf_counter()
+        if "roofline" in args.parts or "fast_full" in args.parts:
+            result.update(run_fp16(args, args.batches))
+        if "fast_full" in args.parts or "switch" in args.parts:
+            result.update(run_dps(args, args.batches))
+        if "throughput" in args.parts:
+            result["throughput"] = run_throughput(args)
+    result["wall_s"] = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(_finite(result), indent=1) + "\n")
+    print(format_report(result))
+    print(f"results: {args.out} ({result['wall_s']:.0f} s)")
+    return result
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
