@@ -71,18 +71,10 @@ def build_engine(args: argparse.Namespace, policy: str, *, max_num_seqs: int, kv
     return LLMEngine(config, eos_token_ids=())
 
 
-def close_engine(engine: LLMEngine) -> None:
-    """Give the engine's VMM ranges back (nothing releases them on garbage collection) and empty torch's cache."""
-    engine.shutdown()
-    manager = engine.runner.pool.manager
-    engine.runner.graphs = None
-    if manager is not None:
-        manager.close()
+def close_engine(engine) -> None:
+    engine.close()
     del engine
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def metadata(args: argparse.Namespace) -> dict[str, Any]:

@@ -82,18 +82,9 @@ def build_engine(model: str, policy: str, settings: dict[str, Any]):
 
 
 def close_engine(engine) -> None:
-    """Release the VMM ranges (garbage collection does not) so the next policy's engine gets the memory."""
-    import torch
-
-    engine.shutdown()
-    engine.runner.graphs = None
-    if engine.runner.pool.manager is not None:
-        engine.runner.pool.manager.close()
+    engine.close()
     del engine
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def p99_decode_step(engine, batch: int, context: int, steps: int = 64) -> dict[str, Any]:

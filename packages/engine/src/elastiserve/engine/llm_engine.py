@@ -355,6 +355,17 @@ class LLMEngine:
             self.runner.shutdown()
             self.tp_group = None
 
+    def close(self) -> None:
+        """Give back the VMM ranges and units (garbage collection does not) so another engine can take the memory."""
+        self.shutdown()
+        self.runner.graphs = None
+        manager = self.runner.pool.manager
+        if manager is not None:
+            manager.close()
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     def force_fast_layers(self, layers: frozenset[int]) -> None:
         """Pin ``layers`` to fast mode (tests, demos); applies at the next step boundary."""
         self.runner.forced_fast_layers = frozenset(layers)
