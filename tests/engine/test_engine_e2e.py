@@ -235,7 +235,7 @@ def test_full_fast_full_switch_restores_weights_bit_exactly(tiny_llama, device):
     assert engine.runner.fast_layers == frozenset()
     for name, m in linears.items():
         assert torch.equal(m.lower, lower_before[name]), name
-        assert torch.equal(formats.merge(m.upper, m.lower, m.nesting), original_weights[name]), name
+        assert torch.equal(formats.merge(m.upper, m.lower, m.nesting, m.weight_exp), original_weights[name]), name
     while engine.has_unfinished():
         engine.step()
     assert seq.num_output_tokens == 12 and seq.metrics.preemptions == 0  # spanned two switches, never recomputed

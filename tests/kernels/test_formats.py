@@ -2,7 +2,9 @@
 
 E4M3: round trip exact on every eligible value, upper == satfinite RNE float8_e4m3fn(256 w), the three worked
 examples of the notes (1.1). E5M2: round trip exact, upper is the correctly rounded (ties away) E5M2 value.
-Plus the fast-mode upcast, nesting choice and the bf16 -> fp16 exactness check.
+E4M3 with a power-of-two prescale 2^-s (s = 1, 2): round trip exact on every value whose scaled value is eligible
+and exact, and exactness is precisely "w is a multiple of 2^(s-24)". Plus the fast-mode upcast, nesting choice
+(prescale exponent and the E5M2 fallback when scaling would drop bits) and the bf16 -> fp16 exactness check.
 """
 
 import pytest
@@ -89,14 +91,51 @@ def test_e5m2_saturation_guard():
     assert torch.isfinite(upper.view(torch.float8_e5m2).float()).all()
 
 
+@pytest.mark.parametrize("exp", [1, 2])
+def test_e4m3_prescale_round_trip_exhaustive(all_fp16, exp):
+    finite = all_fp16[torch.isfinite(all_fp16)]
+    scaled = formats.scale_pow2(finite, -exp)
+    back = formats.scale_pow2(scaled, exp)
+    exact = _bits(back) == _bits(finite)
+    # Scaling by 2^-s is exact iff w is a multiple of 2^(s-24) (only subnormal results can drop bits).
+    rule = torch.remainder(finite.double(), 2.0 ** (exp - 24)) == 0
+    assert torch.equal(exact, rule)
+    eligible = exact & (scaled.float().abs() <= formats.E4M3_MAX_ABS)
+    w = finite[eligible]
+    # s gains 1024 * s patterns per sign at the top and loses as many small ones that are not multiples of 2^(s-24).
+    assert w.numel() == 32398
+    upper, lower = formats.split(w, Nesting.E4M3, exp)
+    assert torch.equal(_bits(formats.merge(upper, lower, Nesting.E4M3, exp)), _bits(w))  # signed zeros too
+    assert torch.equal(lower, (_bits(scaled[eligible]) & 0xFF).to(torch.uint8))
+    expected = (w.float() * 2.0 ** (8 - exp)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(upper, expected.view(torch.uint8))  # a valid FP8 weight with scale 2^(s-8)
+    value, scale = formats.upper_as_fp8(upper, Nesting.E4M3, exp)
+    assert scale == 2.0 ** (exp - 8)
+    assert torch.equal(formats.upper_as_fp16(upper, Nesting.E4M3, exp).float(), value.float() * scale)
+
+
 @pytest.mark.parametrize(
-    "values, nesting",
-    [([0.5, -1.8], Nesting.E4M3), ([1.9, -3.0], Nesting.E5M2), ([61440.0], Nesting.NONE),
-     ([float("inf")], Nesting.NONE)],
+    "values, nesting, exp",
+    [([0.5, -1.8], Nesting.E4M3, 0), ([1.9, -3.0], Nesting.E4M3, 1), ([5.0, -0.0, 0.3], Nesting.E4M3, 2),
+     ([-29.0], Nesting.E4M3, 4), ([30.0], Nesting.E5M2, 0), ([5.0, 2.0**-24], Nesting.E5M2, 0),
+     ([61440.0], Nesting.NONE, 0), ([float("inf")], Nesting.NONE, 0)],
 )
-def test_choose_nesting(values, nesting):
-    got, reason = formats.choose_nesting(torch.tensor(values, dtype=torch.float16))
-    assert got == nesting and reason
+def test_choose_nesting(values, nesting, exp):
+    w = torch.tensor(values, dtype=torch.float16)
+    got, got_exp, reason = formats.choose_nesting(w)
+    assert (got, got_exp) == (nesting, exp) and reason
+    if nesting is Nesting.E4M3:
+        upper, lower = formats.split(w, nesting, exp)
+        assert torch.equal(_bits(formats.merge(upper, lower, nesting, exp)), _bits(w))
+
+
+def test_prescale_falls_back_when_scaling_drops_bits():
+    """max|w| = 5 needs s = 2, but 3 * 2^-24 / 4 is not an fp16: the layer must not nest as E4M3."""
+    w = torch.tensor([5.0, 3 * 2.0**-24, -1.0], dtype=torch.float16)
+    choice = formats.choose_nesting(w)
+    assert choice.nesting is Nesting.E5M2 and choice.weight_exp == 0 and "no exact E4M3 prescale" in choice.reason
+    with pytest.raises(ValueError):
+        formats.split(w, Nesting.E4M3, 5)
 
 
 def test_choose_nesting_rejects_non_fp16():

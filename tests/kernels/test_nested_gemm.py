@@ -2,8 +2,10 @@
 
 full mode == x @ W_fp16.T in fp32 then fp16 (W rebuilt exactly from the planes); weight-only fast mode == x @
 upper_as_fp16.T; fp8 mode == its per-token-quantized reference, and within an SQNR floor of the fp16 result;
-split-K and non-swapped tiles agree; the activation quantizer is bit-exact; the ``elastiserve::nested_linear`` and
-``elastiserve::quantize_per_token`` ops pass ``torch.library.opcheck``. Shapes are small and odd on CPU
+split-K and non-swapped tiles agree; a prescaled E4M3 layer (max|w| = 5, planes of w / 4) matches the fp16 GEMM in
+full mode and its references in both fast modes; the activation quantizer is bit-exact; the
+``elastiserve::nested_linear`` (with and without ``weight_exp``) and ``elastiserve::quantize_per_token`` ops pass
+``torch.library.opcheck``. Shapes are small and odd on CPU
 (M not a multiple of the tile), real Llama sizes on CUDA.
 """
 
@@ -104,6 +106,38 @@ def test_tile_variants_agree(device, mode):
         assert _rel_err(y, base) < 1e-2, config
 
 
+def _prescaled_problem(m, n, k, device, seed=5):
+    """A layer with max|w| = 5: E4M3 only through the prescale s = 2."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * 0.5).clamp(-4.9, 4.9).half()
+    w[w.abs() < 2.0**-10] = 0.0  # a random fp16 below 2^-12 would lose bits at s = 2 (and force E5M2)
+    w[1, 2] = -5.0
+    x = torch.randn(m, k, generator=gen).half()
+    b = torch.randn(n, generator=gen).half()
+    nesting, exp, _ = formats.choose_nesting(w)
+    assert (nesting, exp) == (Nesting.E4M3, 2)
+    upper, lower = formats.split(w, nesting, exp)
+    return x.to(device), w.to(device), b.to(device), upper.to(device), lower.to(device)
+
+
+@pytest.mark.parametrize("mode", ["full", "weight_only", "fp8"])
+def test_prescaled_e4m3_layer(device, mode):
+    m, n, k = (5, 48, 40) if device.type == "cpu" else (37, 4096, 4096)
+    x, w, b, upper, lower = _prescaled_problem(m, n, k, device)
+    ref = nested_gemm.nested_linear_ref(x, upper, lower, b, Nesting.E4M3, mode, weight_exp=2)
+    for config in (None, GemmConfig(16, 16, 32, split_k=2)):
+        y = nested_gemm.nested_gemm(x, upper, lower, b, Nesting.E4M3, mode, weight_exp=2, config=config)
+        assert _rel_err(y, ref) < (1e-2 if mode != "weight_only" else 2e-3), config
+    if mode == "full":
+        assert _rel_err(y, _exact(x, w, b)) < 1e-2
+        assert _rel_err(ref, _exact(x, w, b)) < 1e-3
+    else:  # the fast weight is the E4M3 rounding of w (3 mantissa bits), not a 4x-off value
+        floor = SQNR_FLOOR_DB[Nesting.E4M3] - (3.0 if mode == "fp8" else 0.0)  # fp8 also rounds the activations
+        assert _sqnr_db(y, _exact(x, w, b)) > floor
+    unscaled = nested_gemm.nested_gemm(x, upper, lower, b, Nesting.E4M3, mode)
+    assert _rel_err(unscaled, ref) > 0.1  # the exponent is really applied
+
+
 def test_corrupted_lower_plane_is_caught(device):
     """The full-mode tolerance is tight enough to see a wrong residual plane."""
     x, w, b, upper, lower = _problem(5, 48, 64, Nesting.E4M3, device)
@@ -136,6 +170,8 @@ def test_opcheck_nested_linear(device, fast):
     x, _, b, upper, lower = _problem(3, 32, 32, Nesting.E5M2, device)
     torch.library.opcheck(torch.ops.elastiserve.nested_linear.default, (x, upper, lower, b, int(Nesting.E5M2), fast))
     torch.library.opcheck(torch.ops.elastiserve.nested_linear.default, (x, upper, lower, None, 1, fast))
+    x, _, b, upper, lower = _prescaled_problem(3, 32, 32, device)
+    torch.library.opcheck(torch.ops.elastiserve.nested_linear.default, (x, upper, lower, b, 1, fast, 2))
 
 
 def test_opcheck_quantize_per_token(device):
@@ -151,3 +187,5 @@ def test_launcher_rejects_bad_inputs(device):
         nested_gemm.nested_gemm(x, upper, lower[:, :16], b, 1, "full")
     with pytest.raises(ValueError):
         nested_gemm.nested_gemm(x, upper, lower, b, 0, "full")
+    with pytest.raises(ValueError):
+        nested_gemm.nested_gemm(x, upper, lower, b, 1, "full", weight_exp=5)

@@ -1,5 +1,6 @@
 """Pins NestedLinear and nest_model: conversion of fp16 / bf16 / fp32 linears, the 16-bit fallback with its reason,
 full mode equal to the original layer, fast mode close to it, mode switching, binding an external lower plane,
+a layer with max|w| = 5 nesting as E4M3 with prescale 2^-2 (full mode equal to the layer, reported as prescaled),
 and a tiny nested model under ``torch.compile(fullgraph=True)`` in both modes.
 """
 
@@ -31,7 +32,7 @@ class TinyModel(nn.Module):
     def __init__(self, device, dtype=torch.float16):
         super().__init__()
         self.up = _linear(40, 48, dtype, device, seed=1)
-        self.big = _linear(48, 48, dtype, device, scale=8.0, seed=2)  # max|w| > 1.8192: E5M2
+        self.big = _linear(48, 48, dtype, device, scale=80.0, seed=2)  # max|w| > 16 * 1.8192: E5M2
         self.down = _linear(48, 32, dtype, device, bias=False, seed=3)
         self.lm_head = _linear(32, 16, dtype, device, seed=4)
 
@@ -53,6 +54,27 @@ def test_full_mode_equals_original_layer(device, dtype):
     nested.set_mode("fast")
     fast = nested(x)
     assert _rel_err(fast, want) < 0.1 and not torch.equal(fast, got)
+
+
+def test_prescaled_layer_full_mode_equals_original(device):
+    layer = _linear(40, 48, torch.float16, device, scale=1.0, seed=6)
+    with torch.no_grad():
+        layer.weight[layer.weight.abs() < 2.0**-10] = 0.0  # random fp16 below 2^-12 would lose bits at s = 2
+        layer.weight[3, 4] = 5.0
+    nested, reason = NestedLinear.from_linear(layer)
+    assert (nested.nesting, nested.weight_exp) == (Nesting.E4M3, 2) and "2^-2" in reason
+    x = torch.randn(2, 3, 40, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        want = nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert _rel_err(nested(x), want) < 1e-2
+    nested.set_mode("fast")
+    assert _rel_err(nested(x), want) < 0.1
+    model = nn.Sequential(layer, nn.ReLU(), _linear(48, 16, torch.float16, device, seed=7))
+    report = nest_model(model, skip=())
+    assert report.prescaled == {"0": 2} and "prescale: 1" in report.summary()
+    assert report.count(Nesting.E4M3) == 2
+    with pytest.raises(ConfigError):
+        NestedLinear(40, 48, Nesting.E5M2, weight_exp=1)
 
 
 def test_unnestable_layers_stay_16_bit(device):

@@ -1,7 +1,8 @@
 """Pins the grouped (MoE) nested GEMM: the device-built tile map, and every mode against the per-expert reference.
 
 Expert groups include an empty expert, a single token and groups that are not a multiple of the row tile; the
-op ``elastiserve::nested_moe`` passes ``torch.library.opcheck``.
+op ``elastiserve::nested_moe`` passes ``torch.library.opcheck``. A stacked expert tensor with max|w| = 5 nests as
+E4M3 with one prescale exponent for all experts and matches in every mode.
 """
 
 import itertools
@@ -81,7 +82,25 @@ def test_grouped_gemm_equals_dense_per_expert(device):
             assert _rel_err(y[bounds[e]:bounds[e + 1]], dense) < 1e-2
 
 
+@pytest.mark.parametrize("mode", ["full", "weight_only", "fp8"])
+def test_prescaled_experts(device, mode):
+    counts, n, k = _case(device)
+    x, w, upper, lower, offsets = _problem(device, Nesting.E4M3, counts, n, k, seed=4)
+    w = torch.where(w.abs() < 2.0**-10, torch.zeros_like(w), w)  # random fp16 below 2^-12 would lose bits at s = 2
+    w[2, 0, 1] = 5.0  # one expert's outlier sets the exponent of the whole stacked tensor
+    nesting, exp, _ = formats.choose_nesting(w.cpu())
+    assert (nesting, exp) == (Nesting.E4M3, 2)
+    upper, lower = formats.split(w, nesting, exp)
+    y = nested_moe.nested_moe_gemm(x, upper, lower, offsets, nesting, mode, weight_exp=exp)
+    ref = nested_moe.nested_moe_ref(x, upper, lower, offsets, nesting, mode, weight_exp=exp)
+    assert _rel_err(y, ref) < 1e-2
+    bounds = offsets.tolist()
+    exact = torch.cat([x[s:t].float() @ w[e].float().T for e, (s, t) in enumerate(itertools.pairwise(bounds))])
+    assert _rel_err(y, exact) < (1e-2 if mode == "full" else 0.1)
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_opcheck_nested_moe(device, fast):
     x, _, upper, lower, offsets = _problem(device, Nesting.E4M3, [2, 0, 5], 32, 32)
     torch.library.opcheck(torch.ops.elastiserve.nested_moe.default, (x, upper, lower, offsets, 1, fast))
+    torch.library.opcheck(torch.ops.elastiserve.nested_moe.default, (x, upper, lower, offsets, 1, fast, 3))

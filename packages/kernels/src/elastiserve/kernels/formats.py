@@ -4,6 +4,8 @@ Two nestings (see the notes on formats and kernels, sections 1.1 and 1.2):
 
 * ``E4M3`` (NestedFP-compatible): upper = RNE-satfinite E4M3FN of ``256 * w``; needs ``max|w| <= 1.8192`` so the
   fp16 exponent's top bit is zero. The low byte duplicates mantissa bit 7, which undoes the rounding carry.
+  A layer with a larger range nests ``w * 2^-s`` instead (per-layer power-of-two prescale, ``s = weight_exp`` in
+  1..4) when that scaling is exact on every element; the GEMM multiplies its fp32 accumulator by ``2^s``.
 * ``E5M2`` (DPS extension): upper = fp16 high byte rounded half away from zero; decode ``hi = u - (l >> 7)``;
   needs ``max|w| < 61440`` so the rounding never has to saturate.
 
@@ -14,6 +16,7 @@ kernels and the converter used at load time.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +25,7 @@ E5M2_MAX_ABS = 61440.0  # exclusive: 0x7B80 and up would round the high byte int
 E4M3_WEIGHT_SCALE = 2.0**-8  # upper as E4M3FN holds 256 * w
 E4M3_FNUZ_WEIGHT_SCALE = 2.0**-7  # the same byte read as E4M3FNUZ is value / 2
 E5M2_WEIGHT_SCALE = 1.0
+MAX_WEIGHT_EXP = 4  # prescale exponents 1..4 cover max|w| up to 16 * 1.8192 ~ 29.1
 
 
 class Nesting(IntEnum):
@@ -85,7 +89,20 @@ def merge_e5m2(upper: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
     return _from_bits(((u - (low >> 7)) << 8) | low)
 
 
-def split(w: torch.Tensor, nesting: Nesting) -> tuple[torch.Tensor, torch.Tensor]:
+def check_weight_exp(weight_exp: int) -> int:
+    if not 0 <= int(weight_exp) <= MAX_WEIGHT_EXP:
+        raise ValueError(f"weight_exp must be in 0..{MAX_WEIGHT_EXP}, got {weight_exp}")
+    return int(weight_exp)
+
+
+def scale_pow2(w: torch.Tensor, exponent: int) -> torch.Tensor:
+    """fp16 ``w * 2^exponent`` (through fp32: exact unless a result is subnormal and drops bits, or overflows)."""
+    return w if exponent == 0 else (w.float() * 2.0**exponent).to(torch.float16)
+
+
+def split(w: torch.Tensor, nesting: Nesting, weight_exp: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Planes of ``w * 2^-weight_exp`` (the caller checked that this scaling is exact, see ``choose_nesting``)."""
+    w = scale_pow2(w, -check_weight_exp(weight_exp))
     if nesting == Nesting.E4M3:
         return split_e4m3(w)
     if nesting == Nesting.E5M2:
@@ -93,51 +110,87 @@ def split(w: torch.Tensor, nesting: Nesting) -> tuple[torch.Tensor, torch.Tensor
     raise ValueError(f"cannot split with nesting {nesting!r}")
 
 
-def merge(upper: torch.Tensor, lower: torch.Tensor, nesting: Nesting) -> torch.Tensor:
+def merge(upper: torch.Tensor, lower: torch.Tensor, nesting: Nesting, weight_exp: int = 0) -> torch.Tensor:
+    """The fp16 weight ``merge(planes) * 2^weight_exp`` (bit-exact for planes from ``split`` of a checked layer)."""
     if nesting == Nesting.E4M3:
-        return merge_e4m3(upper, lower)
-    if nesting == Nesting.E5M2:
-        return merge_e5m2(upper, lower)
-    raise ValueError(f"cannot merge with nesting {nesting!r}")
+        w = merge_e4m3(upper, lower)
+    elif nesting == Nesting.E5M2:
+        w = merge_e5m2(upper, lower)
+    else:
+        raise ValueError(f"cannot merge with nesting {nesting!r}")
+    return scale_pow2(w, check_weight_exp(weight_exp))
 
 
-def upper_as_fp16(upper: torch.Tensor, nesting: Nesting) -> torch.Tensor:
-    """The fast-mode weight (approximately w, unscaled) as fp16, by the same integer ops the kernels use.
+def upper_as_fp16(upper: torch.Tensor, nesting: Nesting, weight_exp: int = 0) -> torch.Tensor:
+    """The fast-mode weight (approximately w) as fp16, by the same integer ops the kernels use.
 
     E4M3: ``((u & 0x80) << 8) | ((u & 0x7F) << 7)`` is the E4M3FN value / 256 (exact; same exponent field).
-    E5M2: ``u << 8`` is the E5M2 value itself.
+    E5M2: ``u << 8`` is the E5M2 value itself. Then times ``2^weight_exp`` (exact: |value / 256| <= 1.75).
     """
     u = _bytes(upper)
     if nesting == Nesting.E4M3:
-        return _from_bits(((u & 0x80) << 8) | ((u & 0x7F) << 7))
-    if nesting == Nesting.E5M2:
-        return _from_bits(u << 8)
-    raise ValueError(f"no upper plane for nesting {nesting!r}")
+        value = _from_bits(((u & 0x80) << 8) | ((u & 0x7F) << 7))
+    elif nesting == Nesting.E5M2:
+        value = _from_bits(u << 8)
+    else:
+        raise ValueError(f"no upper plane for nesting {nesting!r}")
+    return scale_pow2(value, check_weight_exp(weight_exp))
 
 
-def upper_as_fp8(upper: torch.Tensor, nesting: Nesting) -> tuple[torch.Tensor, float]:
+def upper_as_fp8(upper: torch.Tensor, nesting: Nesting, weight_exp: int = 0) -> tuple[torch.Tensor, float]:
     """The upper plane viewed as its FP8 dtype (zero-copy) and the scale that turns it into w."""
+    prescale = 2.0 ** check_weight_exp(weight_exp)
     if nesting == Nesting.E4M3:
-        return upper.view(torch.float8_e4m3fn), E4M3_WEIGHT_SCALE
+        return upper.view(torch.float8_e4m3fn), E4M3_WEIGHT_SCALE * prescale
     if nesting == Nesting.E5M2:
-        return upper.view(torch.float8_e5m2), E5M2_WEIGHT_SCALE
+        return upper.view(torch.float8_e5m2), E5M2_WEIGHT_SCALE * prescale
     raise ValueError(f"no upper plane for nesting {nesting!r}")
 
 
-def choose_nesting(w: torch.Tensor) -> tuple[Nesting, str]:
-    """Pick the nesting for one fp16 weight; the string says why (for the nesting report)."""
+class NestingChoice(NamedTuple):
+    """What ``choose_nesting`` decided: the nesting, the prescale exponent (planes hold ``w * 2^-weight_exp``)
+    and why (for the nesting report)."""
+
+    nesting: Nesting
+    weight_exp: int
+    reason: str
+
+
+def _prescale_round_trips(w: torch.Tensor, weight_exp: int) -> bool:
+    """``merge(split(w * 2^-s)) * 2^s == w`` bit for bit (signed zeros included) for E4M3 with prescale ``s``."""
+    scaled = scale_pow2(w, -weight_exp)
+    if float(scaled.abs().max()) > E4M3_MAX_ABS:
+        return False
+    upper, lower = split_e4m3(scaled)
+    return torch.equal(_bits(merge(upper, lower, Nesting.E4M3, weight_exp)), _bits(w))
+
+
+def _e4m3_prescale(w: torch.Tensor, amax: float) -> int | None:
+    """The smallest exponent in 1..MAX_WEIGHT_EXP that brings ``w`` into E4M3 range exactly, or None."""
+    for exp in range(1, MAX_WEIGHT_EXP + 1):
+        if amax * 2.0**-exp <= E4M3_MAX_ABS and _prescale_round_trips(w, exp):
+            return exp
+    return None
+
+
+def choose_nesting(w: torch.Tensor) -> NestingChoice:
+    """Pick the nesting (and E4M3 prescale exponent) for one fp16 weight."""
     if w.dtype != torch.float16:
-        return Nesting.NONE, f"dtype {w.dtype} is not fp16"
+        return NestingChoice(Nesting.NONE, 0, f"dtype {w.dtype} is not fp16")
     if w.numel() == 0:
-        return Nesting.NONE, "empty weight"
+        return NestingChoice(Nesting.NONE, 0, "empty weight")
     if not bool(torch.isfinite(w).all()):
-        return Nesting.NONE, "weight has inf/NaN"
+        return NestingChoice(Nesting.NONE, 0, "weight has inf/NaN")
     amax = float(w.abs().max())
     if amax <= E4M3_MAX_ABS:
-        return Nesting.E4M3, f"max|w| = {amax:.4g} <= {E4M3_MAX_ABS}"
+        return NestingChoice(Nesting.E4M3, 0, f"max|w| = {amax:.4g} <= {E4M3_MAX_ABS}")
+    exp = _e4m3_prescale(w, amax)
+    if exp is not None:
+        return NestingChoice(Nesting.E4M3, exp, f"max|w| = {amax:.4g}: E4M3 with exact prescale 2^-{exp}")
     if amax < E5M2_MAX_ABS:
-        return Nesting.E5M2, f"max|w| = {amax:.4g} in ({E4M3_MAX_ABS}, {E5M2_MAX_ABS:g})"
-    return Nesting.NONE, f"max|w| = {amax:.4g} >= {E5M2_MAX_ABS:g}: E5M2 rounding would saturate"
+        why = "no exact E4M3 prescale" if amax <= E4M3_MAX_ABS * 2**MAX_WEIGHT_EXP else "beyond E4M3 prescale range"
+        return NestingChoice(Nesting.E5M2, 0, f"max|w| = {amax:.4g} in ({E4M3_MAX_ABS}, {E5M2_MAX_ABS:g}), {why}")
+    return NestingChoice(Nesting.NONE, 0, f"max|w| = {amax:.4g} >= {E5M2_MAX_ABS:g}: E5M2 rounding would saturate")
 
 
 def bf16_to_fp16_checked(w: torch.Tensor) -> torch.Tensor | None:

@@ -6,8 +6,11 @@ Modes (``MODE`` constexpr):
 * fp8 (2): fast mode on archs with fp8 MMA: activations quantized per token to e4m3 (``quantize_per_token``),
   ``tl.dot`` on fp8 operands; MI300 reads the OCP bytes as FNUZ (0x80 -> 0, scale doubled).
 
-Registered op: ``elastiserve::nested_linear(x, upper, lower, bias, nesting, fast)``; pure-torch references at the
-bottom (``nested_linear_ref``, ``quantize_per_token_ref``).
+A prescaled E4M3 layer (planes of ``w * 2^-weight_exp``) gets its ``2^weight_exp`` back in the epilogue: the fp32
+accumulator is multiplied by ``w_scale`` (a power of two, so exact) before the bias.
+
+Registered op: ``elastiserve::nested_linear(x, upper, lower, bias, nesting, fast, weight_exp=0)``; pure-torch
+references at the bottom (``nested_linear_ref``, ``quantize_per_token_ref``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ def _nested_gemm_kernel(
     if MODE == 2:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
         acc = acc * (x_scale[:, None] * w_scale)
+    else:
+        acc = acc * w_scale  # 2^weight_exp: exact, and 1.0 for an unscaled layer
     out_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -198,17 +203,19 @@ def upper_for_kernel(upper: torch.Tensor, nesting: int, mode: str, fnuz: bool) -
     return upper
 
 
-def weight_scale(nesting: int, mode: str, fnuz: bool) -> float:
+def weight_scale(nesting: int, mode: str, fnuz: bool, weight_exp: int = 0) -> float:
+    """What the kernel multiplies its fp32 accumulator by: the prescale ``2^weight_exp``, times the fp8 scale."""
+    prescale = 2.0 ** formats.check_weight_exp(weight_exp)
     if mode != "fp8":
-        return 1.0
+        return prescale
     base = formats.E4M3_WEIGHT_SCALE if nesting == Nesting.E4M3 else formats.E5M2_WEIGHT_SCALE
-    return base * 2.0 if fnuz else base  # an OCP byte read as FNUZ is value / 2
+    return prescale * (base * 2.0 if fnuz else base)  # an OCP byte read as FNUZ is value / 2
 
 
 def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
-                nesting: int, mode: str, *, fnuz: bool = False,
+                nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
                 config: configs.GemmConfig | None = None) -> torch.Tensor:
-    """Launch the Triton kernel(s): x fp16 [M, K], planes uint8 [N, K] -> fp16 [M, N]."""
+    """Launch the Triton kernel(s): x fp16 [M, K], planes uint8 [N, K] (of ``w * 2^-weight_exp``) -> fp16 [M, N]."""
     if x.dim() != 2 or x.dtype != torch.float16:
         raise ValueError(f"x must be 2-D fp16, got {tuple(x.shape)} {x.dtype}")
     if upper.shape != lower.shape or upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
@@ -238,7 +245,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
         x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        weight_scale(nesting, mode, fnuz),
+        weight_scale(nesting, mode, fnuz, weight_exp),
         MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, HAS_BIAS=bias is not None,
         SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
@@ -266,15 +273,15 @@ def _is_fnuz() -> bool:
 
 @torch.library.custom_op("elastiserve::nested_linear", mutates_args=())
 def nested_linear_op(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
-                     nesting: int, fast: bool) -> torch.Tensor:
+                     nesting: int, fast: bool, weight_exp: int = 0) -> torch.Tensor:
     mode = fast_mode_for(x.shape[0]) if fast else "full"
     if current_platform().kernel_backend == "reference":
-        return nested_linear_ref(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz())
-    return nested_gemm(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz())
+        return nested_linear_ref(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz(), weight_exp=weight_exp)
+    return nested_gemm(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz(), weight_exp=weight_exp)
 
 
 @nested_linear_op.register_fake
-def _(x, upper, lower, bias, nesting, fast):
+def _(x, upper, lower, bias, nesting, fast, weight_exp=0):
     return x.new_empty((x.shape[0], upper.shape[0]))
 
 
@@ -306,24 +313,24 @@ def quantize_per_token_ref(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.T
 
 
 def reference_weight(upper: torch.Tensor, lower: torch.Tensor, nesting: int, mode: str,
-                     fnuz: bool = False) -> torch.Tensor:
-    """The fp32 weight each mode multiplies by (fp8 mode: the upper value times its scale)."""
+                     fnuz: bool = False, weight_exp: int = 0) -> torch.Tensor:
+    """The fp32 weight each mode multiplies by (fp8 mode: the upper value times its scale), prescale included."""
     if mode == "full":
-        return formats.merge(upper, lower, Nesting(nesting)).float()
+        return formats.merge(upper, lower, Nesting(nesting)).float() * 2.0 ** formats.check_weight_exp(weight_exp)
     if mode == "weight_only":
-        return formats.upper_as_fp16(upper, Nesting(nesting)).float()
+        return formats.upper_as_fp16(upper, Nesting(nesting), weight_exp).float()
     if fnuz:
         u = torch.where(upper == 0x80, torch.zeros_like(upper), upper)
         fp8 = torch.float8_e4m3fnuz if nesting == Nesting.E4M3 else torch.float8_e5m2fnuz
-        return u.view(fp8).float() * weight_scale(nesting, mode, True)
-    value, scale = formats.upper_as_fp8(upper, Nesting(nesting))
+        return u.view(fp8).float() * weight_scale(nesting, mode, True, weight_exp)
+    value, scale = formats.upper_as_fp8(upper, Nesting(nesting), weight_exp)
     return value.float() * scale
 
 
 def nested_linear_ref(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
-                      nesting: int, mode: str, *, fnuz: bool = False) -> torch.Tensor:
+                      nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0) -> torch.Tensor:
     """fp32 math, fp16 out: what every kernel mode must match."""
-    w = reference_weight(upper, lower, nesting, mode, fnuz)
+    w = reference_weight(upper, lower, nesting, mode, fnuz, weight_exp)
     if mode == "fp8":
         q, scale = quantize_per_token_ref(x, fnuz)
         y = (q.float() @ w.T) * scale[:, None]

@@ -43,13 +43,22 @@ def to_fp16_for_nesting(weight: torch.Tensor) -> tuple[torch.Tensor | None, str]
 
 
 class NestedLinear(nn.Module):
-    """y = x @ W.T + b with W as ``upper``/``lower`` uint8 planes (or a plain 16-bit ``weight`` when unnested)."""
+    """y = x @ W.T + b with W as ``upper``/``lower`` uint8 planes (or a plain 16-bit ``weight`` when unnested).
+
+    ``weight_exp`` (E4M3 only, 0..4): the planes hold ``W * 2^-weight_exp``; the op scales the result back."""
 
     def __init__(self, in_features: int, out_features: int, nesting: Nesting, *, bias: bool = True,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float16) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float16,
+                 weight_exp: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.nesting = Nesting(nesting)
+        if weight_exp and self.nesting is not Nesting.E4M3:
+            raise ConfigError(f"a weight prescale needs E4M3 nesting, got {self.nesting.name}")
+        try:
+            self.weight_exp = formats.check_weight_exp(weight_exp)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         self.fast = False
         shape = (out_features, in_features)
         if self.nesting is Nesting.NONE:
@@ -67,21 +76,22 @@ class NestedLinear(nn.Module):
         """Build from an ``nn.Linear``; returns the module and the reason for its nesting kind."""
         weight = linear.weight.detach()
         fp16, cast_note = to_fp16_for_nesting(weight)
+        weight_exp = 0
         if fp16 is None:
             nesting, reason = Nesting.NONE, cast_note
         else:
-            nesting, reason = formats.choose_nesting(fp16)
+            nesting, weight_exp, reason = formats.choose_nesting(fp16)
             reason = f"{cast_note}; {reason}"
         has_bias = linear.bias is not None
         keep_dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16
         module = cls(linear.in_features, linear.out_features, nesting, bias=has_bias, device=weight.device,
-                     dtype=keep_dtype)
+                     dtype=keep_dtype, weight_exp=weight_exp)
         if nesting is Nesting.NONE:
             module.weight = weight.to(keep_dtype).clone() if fp16 is None else fp16.to(keep_dtype).clone()
             if has_bias:
                 module.bias = linear.bias.detach().to(keep_dtype).clone()
         else:
-            module.upper, module.lower = formats.split(fp16.contiguous(), nesting)
+            module.upper, module.lower = formats.split(fp16.contiguous(), nesting, weight_exp)
             if has_bias:
                 module.bias = linear.bias.detach().to(torch.float16).clone()
         return module, reason
@@ -110,18 +120,21 @@ class NestedLinear(nn.Module):
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features).to(torch.float16)
-        y = nested_linear_op(x2d, self.upper, self.lower, self.bias, int(self.nesting), self.fast)
+        y = nested_linear_op(x2d, self.upper, self.lower, self.bias, int(self.nesting), self.fast, self.weight_exp)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, nesting={self.nesting.name}, fast={self.fast}"
+        return (f"in={self.in_features}, out={self.out_features}, nesting={self.nesting.name}, "
+                f"weight_exp={self.weight_exp}, fast={self.fast}")
 
 
 @dataclass
 class NestingReport:
-    """Per-layer nesting kind and the reason, by qualified module name."""
+    """Per-layer nesting kind and the reason, by qualified module name; ``weight_exps`` lists the E4M3 layers
+    nested with a power-of-two prescale (name -> exponent s: planes hold ``w * 2^-s``)."""
 
     layers: dict[str, tuple[Nesting, str]] = field(default_factory=dict)
+    weight_exps: dict[str, int] = field(default_factory=dict)
 
     def count(self, nesting: Nesting) -> int:
         return sum(1 for kind, _ in self.layers.values() if kind is nesting)
@@ -130,8 +143,13 @@ class NestingReport:
     def unnested(self) -> dict[str, str]:
         return {name: reason for name, (kind, reason) in self.layers.items() if kind is Nesting.NONE}
 
+    @property
+    def prescaled(self) -> dict[str, int]:
+        return {name: exp for name, exp in self.weight_exps.items() if exp}
+
     def summary(self) -> str:
-        return ", ".join(f"{kind.name}: {self.count(kind)}" for kind in Nesting)
+        kinds = ", ".join(f"{kind.name}: {self.count(kind)}" for kind in Nesting)
+        return f"{kinds} (E4M3 with a prescale: {len(self.prescaled)})"
 
 
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:
@@ -152,6 +170,8 @@ def nest_model(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",)) -> Nes
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, nested)
         report.layers[name] = (nested.nesting, reason)
+        if nested.weight_exp:
+            report.weight_exps[name] = nested.weight_exp
     return report
 
 

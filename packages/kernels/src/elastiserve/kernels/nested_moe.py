@@ -85,6 +85,8 @@ def _nested_moe_kernel(
     if MODE == 2:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
         acc = acc * (x_scale[:, None] * w_scale)
+    else:
+        acc = acc * w_scale  # 2^weight_exp, shared by the layer's experts: exact
     out_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptr + out_off, acc.to(tl.float16), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -108,9 +110,11 @@ def build_tile_map(expert_offsets: torch.Tensor, num_tokens: int, block_m: int) 
 
 
 def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
-                    nesting: int, mode: str, *, fnuz: bool = False,
+                    nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
                     config: configs.GemmConfig | None = None) -> torch.Tensor:
-    """Launch the grouped kernel: x_sorted fp16 [T, K], planes uint8 [E, N, K], offsets int32 [E+1] -> [T, N]."""
+    """Launch the grouped kernel: x_sorted fp16 [T, K], planes uint8 [E, N, K], offsets int32 [E+1] -> [T, N].
+
+    ``weight_exp``: the planes hold ``w * 2^-weight_exp`` (one exponent for all experts of the tensor)."""
     if x_sorted.dim() != 2 or x_sorted.dtype != torch.float16:
         raise ValueError(f"x_sorted must be 2-D fp16, got {tuple(x_sorted.shape)} {x_sorted.dtype}")
     if upper.dim() != 3 or upper.shape != lower.shape or upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
@@ -139,7 +143,7 @@ def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Te
         n, k,
         x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), upper.stride(2),
         lower.stride(0), lower.stride(1), lower.stride(2), out.stride(0), out.stride(1),
-        weight_scale(nesting, mode, fnuz),
+        weight_scale(nesting, mode, fnuz, weight_exp),
         MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, EVEN_K=k % config.block_k == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -149,15 +153,17 @@ def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Te
 
 @torch.library.custom_op("elastiserve::nested_moe", mutates_args=())
 def nested_moe_op(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
-                  nesting: int, fast: bool) -> torch.Tensor:
+                  nesting: int, fast: bool, weight_exp: int = 0) -> torch.Tensor:
     mode = fast_mode_for(x_sorted.shape[0]) if fast else "full"
     if current_platform().kernel_backend == "reference":
-        return nested_moe_ref(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz())
-    return nested_moe_gemm(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz())
+        return nested_moe_ref(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz(),
+                              weight_exp=weight_exp)
+    return nested_moe_gemm(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz(),
+                           weight_exp=weight_exp)
 
 
 @nested_moe_op.register_fake
-def _(x_sorted, upper, lower, expert_offsets, nesting, fast):
+def _(x_sorted, upper, lower, expert_offsets, nesting, fast, weight_exp=0):
     return x_sorted.new_empty((x_sorted.shape[0], upper.shape[1]))
 
 
@@ -165,7 +171,7 @@ def _(x_sorted, upper, lower, expert_offsets, nesting, fast):
 
 
 def nested_moe_ref(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
-                   nesting: int, mode: str, *, fnuz: bool = False) -> torch.Tensor:
+                   nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0) -> torch.Tensor:
     """Per-expert fp32 matmul, fp16 out (reads the offsets on the host: a reference, not a graph-capturable op)."""
     n = upper.shape[1]
     if mode == "fp8":
@@ -177,6 +183,6 @@ def nested_moe_ref(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
     bounds = expert_offsets.tolist()
     for e, (start, end) in enumerate(itertools.pairwise(bounds)):
         if end > start:
-            w = reference_weight(upper[e], lower[e], Nesting(nesting), mode, fnuz)
+            w = reference_weight(upper[e], lower[e], Nesting(nesting), mode, fnuz, weight_exp)
             out[start:end] = xf[start:end] @ w.T
     return out.to(torch.float16)

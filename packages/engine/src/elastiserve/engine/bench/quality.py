@@ -210,17 +210,21 @@ def _decoder_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 def nested_weights_(model: torch.nn.Module, mode: str) -> int:
     """Replace decoder linear weights by what nested ``mode`` computes with (formats of `elastiserve.kernels`):
-    full = merge(split(w)) (exact), fast = the upper plane as fp16. Returns the number of nested layers."""
+    full = merge(split(w)) (exact), fast = the upper plane as fp16, both with the layer's E4M3 prescale 2^s
+    applied back. Returns the number of nested layers."""
     from elastiserve.kernels import formats
 
     nested = 0
     for module in _decoder_linears(model):
         w16 = module.weight.data.to(torch.float16)
-        nesting, _ = formats.choose_nesting(w16)
+        nesting, exp, _ = formats.choose_nesting(w16)
         if nesting is formats.Nesting.NONE:
             continue
-        upper, lower = formats.split(w16, nesting)
-        value = formats.merge(upper, lower, nesting) if mode == "full" else formats.upper_as_fp16(upper, nesting)
+        upper, lower = formats.split(w16, nesting, exp)
+        if mode == "full":
+            value = formats.merge(upper, lower, nesting, exp)
+        else:
+            value = formats.upper_as_fp16(upper, nesting, exp)
         module.weight.data = value.to(module.weight.dtype)
         nested += 1
     return nested
