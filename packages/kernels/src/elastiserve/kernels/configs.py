@@ -15,12 +15,15 @@ Reasoning for the sm90 (H200, 132 SMs) rows:
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass, replace
 
 from elastiserve.platforms import ConfigError
 
 M_BUCKETS = (1, 16, 64, 256, 1024, 4096)
 MODES = ("full", "weight_only", "fp8")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +166,8 @@ def tune(arch: str, mode: str, n: int, k: int, m: int, time_fn) -> GemmConfig:
     for config in candidates:
         try:
             seconds = time_fn(config)
-        except Exception:
+        except Exception as exc:  # a candidate that does not compile or fit in shared memory on this GPU
+            log.debug("tuning %s N=%d K=%d M=%d: %s failed: %s", mode, n, k, m, config, exc)
             continue
         if seconds < best_time:
             best, best_time = config, seconds
