@@ -48,13 +48,7 @@ def plot_rate_sweep(sweeps: dict[str, list[dict[str, Any]]], path: Path, *, titl
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def _series(samples: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str | None, list[float], list[float]]:
@@ -115,6 +109,10 @@ def plot_timeline(results: dict[str, ReplayResult], path: Path, *, title: str = 
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper right")
+    return _save(plt, fig, path, title)
+
+
+def _save(plt: Any, fig: Any, path: Path, title: str | None) -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
