@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
 WEIGHT_STD = {Nesting.E4M3: 0.05, Nesting.E5M2: 4.0}
 SQNR_FLOOR_DB = {Nesting.E4M3: 30.0, Nesting.E5M2: 20.0}  # E5M2 keeps 2 mantissa bits: ~25 dB by itself
+# FP8 MMA rounds the activations to E4M3 too: two independent E4M3 roundings give ~28.4 dB on Gaussian data
+# (~31.4 dB each); the H200 measured 28.8 dB at 1x4096x4096, so the floor leaves ~2 dB for the row-scale rounding.
+FP8_MMA_SQNR_FLOOR_DB = {Nesting.E4M3: 26.0, Nesting.E5M2: 20.0}
 
 
 def _shapes(device: torch.device) -> list[tuple[int, int, int]]:

@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from elastiserve.platforms import ConfigError, ElastiserveError
+from elastiserve.platforms import env
 
 TRACE_FILES = {
     "azure": "azure_llm_2023_conv.csv",
@@ -52,6 +53,8 @@ class Request:
 def trace_search_dirs(explicit: Path | None = None) -> list[Path]:
     repo_root = Path(__file__).resolve().parents[5]
     dirs = [explicit] if explicit else []
+    if env.settings().trace_dir is not None:
+        dirs.append(env.settings().trace_dir)
     return [*dirs, Path.cwd() / ".." / "shared" / "traces", repo_root / ".." / "shared" / "traces"]
 
 

@@ -26,6 +26,7 @@ class EnvSettings:
     kernels: str = "auto"  # triton (interpreted on CPU when TRITON_INTERPRET=1) or reference
     cache_dir: Path = Path.home() / ".cache" / "elastiserve"
     log_level: str = "info"
+    trace_dir: Path | None = None  # searched for request traces before ../shared/traces (GPU runs carry a copy)
 
     def __post_init__(self) -> None:
         for field, choices in _CHOICES.items():
@@ -42,11 +43,12 @@ def parse(environ: dict[str, str] | os._Environ) -> EnvSettings:
     for key in _KNOWN:
         if PREFIX + key in environ:
             value = environ[PREFIX + key].strip()
-            kwargs[key.lower()] = Path(value).expanduser() if key == "CACHE_DIR" else value.lower()
+            is_path = key in ("CACHE_DIR", "TRACE_DIR")
+            kwargs[key.lower()] = Path(value).expanduser() if is_path else value.lower()
     return EnvSettings(**kwargs)
 
 
-_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL")
+_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL", "TRACE_DIR")
 
 
 @functools.cache
