@@ -416,22 +416,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
+    """Each part's result is written as soon as it exists, so a run cut short by a time limit keeps what it measured."""
     with tempfile.TemporaryDirectory() as workdir:
         args.model_dir = resolve_model(args.model, Path(workdir))
         result: dict[str, Any] = {"metadata": metadata(args)}
         t0 = time.perf_counter()
-        if "roofline" in args.parts or "fast_full" in args.parts:
-            result.update(run_fp16(args, args.batches))
-        if "fast_full" in args.parts or "switch" in args.parts:
-            result.update(run_dps(args, args.batches))
-        if "throughput" in args.parts:
-            result["throughput"] = run_throughput(args)
-    result["wall_s"] = time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(_finite(result), indent=1) + "\n")
+        steps = [("static-fp16 engine (roofline, fp16 reference)", ("roofline", "fast_full"),
+                  lambda: result.update(run_fp16(args, args.batches))),
+                 ("dps engine (fast vs full, switch)", ("fast_full", "switch"),
+                  lambda: result.update(run_dps(args, args.batches))),
+                 ("throughput per policy", ("throughput",), lambda: result.update(throughput=run_throughput(args)))]
+        for title, parts, run in steps:
+            if any(part in args.parts for part in parts):
+                print(f"[{time.perf_counter() - t0:6.0f} s] {title}", flush=True)
+                run()
+                _write(args.out, result, t0)
+    _write(args.out, result, t0)
     print(format_report(result))
     print(f"results: {args.out} ({result['wall_s']:.0f} s)")
     return result
+
+
+def _write(out: Path, result: dict[str, Any], t0: float) -> None:
+    result["wall_s"] = time.perf_counter() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_finite(result), indent=1) + "\n")
 
 
 def _finite(obj: Any) -> Any:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from elastiserve.kernels import configs, formats
 from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.merge_planes import merge_planes
 from elastiserve.platforms import ConfigError, FastGemm, current_platform
 from elastiserve.platforms.env import triton_interpret
 
@@ -271,12 +272,25 @@ def _is_fnuz() -> bool:
     return current_platform().fast_gemm is FastGemm.FP8_MMA_FNUZ
 
 
+def full_via_merged_weight(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
+                           nesting: int, weight_exp: int = 0) -> torch.Tensor:
+    """Full mode for many rows: decode the exact fp16 weight once into scratch, then the vendor fp16 GEMM."""
+    w = merge_planes(upper, lower, nesting)  # w * 2^-weight_exp, exact
+    if weight_exp == 0:
+        return torch.nn.functional.linear(x, w, bias)
+    y = torch.mm(x, w.t()).mul_(2.0 ** formats.check_weight_exp(weight_exp))  # power of two: exact scaling
+    return y if bias is None else y.add_(bias)
+
+
 @torch.library.custom_op("elastiserve::nested_linear", mutates_args=())
 def nested_linear_op(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                      nesting: int, fast: bool, weight_exp: int = 0) -> torch.Tensor:
     mode = fast_mode_for(x.shape[0]) if fast else "full"
-    if current_platform().kernel_backend == "reference":
+    platform = current_platform()
+    if platform.kernel_backend == "reference":
         return nested_linear_ref(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz(), weight_exp=weight_exp)
+    if mode == "full" and configs.materializes_full(platform.arch, x.shape[0]):
+        return full_via_merged_weight(x, upper, lower, bias, nesting, weight_exp)
     return nested_gemm(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz(), weight_exp=weight_exp)
 
 
