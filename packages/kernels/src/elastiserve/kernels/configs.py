@@ -56,26 +56,34 @@ def m_bucket(m: int) -> int:
 
 _G = GemmConfig
 
+# Decode rows (M <= 16): of seven tile shapes probed on the H200 (benchmarks/kernels/results/
+# h200-gemm-config-probe.json), 64x128 with 6 stages was the best or near it for K = 4096 in every mode (qkv full
+# 0.46x / weight-only 0.87x / fp8 1.23x of fp16, against 0.36x / 0.67x / 1.11x for the earlier 64x256), and 128x256
+# with 8 warps for K = 14336 (down: weight-only 0.98x, fp8 1.25x). ``DECODE_LONG_K`` holds the latter.
+_DECODE = _G(16, 64, 128, num_warps=4, num_stages=6)
+DECODE_LONG_K = _G(16, 128, 256, num_warps=8, num_stages=3)
+LONG_K = 8192
+
 _SM90: dict[str, dict[int, GemmConfig]] = {
     "full": {
-        1: _G(16, 64, 256, num_warps=4, num_stages=4),
-        16: _G(16, 64, 256, num_warps=4, num_stages=4),
+        1: _DECODE,
+        16: _DECODE,
         64: _G(64, 64, 128, num_warps=4, num_stages=4),
         256: _G(64, 128, 64, num_warps=4, num_stages=4),
         1024: _G(128, 128, 64, num_warps=8, num_stages=4),
         4096: _G(256, 128, 64, num_warps=8, num_stages=3),
     },
     "weight_only": {
-        1: _G(16, 64, 256, num_warps=4, num_stages=5),
-        16: _G(16, 64, 256, num_warps=4, num_stages=5),
+        1: _DECODE,
+        16: _DECODE,
         64: _G(64, 64, 128, num_warps=4, num_stages=5),
         256: _G(64, 128, 128, num_warps=4, num_stages=4),
         1024: _G(128, 128, 64, num_warps=8, num_stages=4),
         4096: _G(256, 128, 64, num_warps=8, num_stages=3),
     },
     "fp8": {
-        1: _G(16, 64, 256, num_warps=4, num_stages=5),
-        16: _G(16, 64, 256, num_warps=4, num_stages=5),
+        1: _DECODE,
+        16: _DECODE,
         64: _G(64, 64, 256, num_warps=4, num_stages=4),
         256: _G(64, 128, 128, num_warps=4, num_stages=4, swap_ab=False),
         1024: _G(128, 128, 128, num_warps=8, num_stages=4, swap_ab=False),
@@ -135,6 +143,8 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) ->
     if tuned is not None:
         return tuned
     config = TABLES.get(arch, _SM80)[mode][bucket]
+    if arch == "sm90" and bucket <= 16 and k >= LONG_K:  # 221 KB of stages: too much for A100 shared memory
+        config = DECODE_LONG_K
     if arch != "cpu" and bucket <= 64:
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         split = _split_for_occupancy(tiles, -(-k // config.block_k), num_sms)
