@@ -16,8 +16,7 @@ from datetime import datetime
 from importlib import resources
 from pathlib import Path
 
-from elastiserve.platforms import ConfigError, ElastiserveError
-from elastiserve.platforms import env
+from elastiserve.platforms import ConfigError, ElastiserveError, env
 
 TRACE_FILES = {
     "azure": "azure_llm_2023_conv.csv",
