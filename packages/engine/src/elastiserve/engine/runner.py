@@ -365,7 +365,8 @@ def _agree_across_ranks(value: int) -> int:
 
 def create_kv_pool(config: EngineConfig, model: torch.nn.Module, device: torch.device, nested: Any) -> KVPool:
     """The SUM manager over the platform's VMM back-end: the KV tensor is its KV range; with nested weights each
-    decoder layer's lower planes move into that layer's residual range (bytes copied in by the one-shot path)."""
+    decoder layer's lower planes (linears and MoE experts) move into that layer's residual range (bytes copied in
+    by the one-shot path)."""
     from elastiserve.memory.sum_manager import SumConfig, SumManager, choose_unit_bytes
     from elastiserve.memory.vmm import open_backend
 
@@ -396,18 +397,6 @@ def create_kv_pool(config: EngineConfig, model: torch.nn.Module, device: torch.d
     return KVPool(kv_cache, SumBlockPool(manager.state), manager)
 
 
-def layer_lower_planes(model: torch.nn.Module) -> dict[int, list[Any]]:
-    """The nested linears of each decoder layer, in module order (their lower planes form the layer's residual)."""
-    from elastiserve.kernels.nested_linear import NestedLinear
-
-    planes: dict[int, list[Any]] = {}
-    for index, layer in enumerate(model.decoder_layers):
-        mods = [m for m in layer.modules() if isinstance(m, NestedLinear) and m.is_nested]
-        if mods:
-            planes[index] = mods
-    return planes
-
-
 def move_lower_planes_to_host(residuals: dict[int, list[Any]], device: torch.device) -> Any:
     """Keep each layer's lower bytes (module order) in a host backup and release their device buffers, so the
     shared region can be created in the memory they held."""
@@ -424,7 +413,7 @@ def move_lower_planes_to_host(residuals: dict[int, list[Any]], device: torch.dev
 
 
 def bind_residuals(manager: Any, residuals: dict[int, list[Any]], backup: Any) -> None:
-    """Give each layer a residual range, point its nested linears' ``lower`` at their slices of it, and copy the
+    """Give each layer a residual range, point its nested modules' ``lower`` at their slices of it, and copy the
     bytes in from the backup (the one-shot startup path)."""
     for layer, mods in residuals.items():
         view = manager.register_residual(layer, sum(m.upper.numel() for m in mods))
@@ -438,16 +427,21 @@ def bind_residuals(manager: Any, residuals: dict[int, list[Any]], backup: Any) -
 
 
 def nest_weights(model: torch.nn.Module) -> Any:
-    from elastiserve.kernels.nested_linear import nest_model  # converts every nn.Linear but lm_head in place
+    from elastiserve.engine import nested_weights  # Triton kernels: imported only by nested-weight policies
 
-    return nest_model(model)
+    return nested_weights.nest_weights(model)
 
 
 def set_layer_modes(model: torch.nn.Module, fast_layers: frozenset[int]) -> None:
-    from elastiserve.kernels.nested_linear import set_mode
+    from elastiserve.engine import nested_weights
 
-    for index, layer in enumerate(model.decoder_layers):
-        set_mode(layer, "fast" if index in fast_layers else "full")
+    nested_weights.set_layer_modes(model, fast_layers)
+
+
+def layer_lower_planes(model: torch.nn.Module) -> dict[int, list[Any]]:
+    from elastiserve.engine import nested_weights
+
+    return nested_weights.layer_lower_planes(model)
 
 
 def make_sampler() -> Any:
