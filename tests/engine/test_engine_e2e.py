@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import transformers  # test dependency: the reference forward
+from scripted_policies import EvictThenRestore
 
 from elastiserve.control.observation import NOOP, Decision
 from elastiserve.engine.config import EngineConfig
@@ -182,20 +183,6 @@ def test_invalid_requests_are_rejected(tiny_llama, device):
         engine.add_request("p", [1, 2], SamplingParams(top_p=0.0))
     with pytest.raises(InvalidRequest, match="vocabulary"):
         engine.add_request("v", [1, 999], SamplingParams())
-
-
-class EvictThenRestore:
-    """Evict every residual (whole model to fast) at one step; ask for restores from a later step on."""
-
-    def __init__(self, evict_at: int, restore_from: int) -> None:
-        self.evict_at, self.restore_from = evict_at, restore_from
-
-    def decide_pressure(self, obs):
-        return Decision(evict_residual_layers="all") if obs.step == self.evict_at else NOOP
-
-    def decide_recovery(self, obs):
-        wanted = obs.step >= self.restore_from and bool(obs.evicted_layers) and not obs.restore_in_flight
-        return Decision(start_restore=True) if wanted else NOOP
 
 
 def nested_linears(model):

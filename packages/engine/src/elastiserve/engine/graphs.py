@@ -62,17 +62,13 @@ class GraphRunner:
 
     def capture_common(self) -> None:
         """Capture the full-mode native-path graph of every size, with inputs that write nothing."""
-        r = self.runner
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its pool
-            r.slot_mapping[:size].fill_(-1)
-            r.seq_lens[:size].fill_(1)
-            r.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
-            r.block_tables[:size].zero_()
+            self.runner.buffers.reset_for_capture(size)
             self.get(size, 0)
 
     def _capture(self, batch_size: int, path: int) -> CapturedStep:
         r = self.runner
-        metadata = r.metadata_view(batch_size, batch_size, 1, path)
+        metadata = r.buffers.metadata_view(batch_size, batch_size, 1, path)
         r.forward(batch_size, metadata)  # warm-up: runs the step (kernels compile/autotune outside capture)
         torch.cuda.synchronize(r.device)
         graph = torch.cuda.CUDAGraph()

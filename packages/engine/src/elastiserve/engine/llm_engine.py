@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,32 +17,14 @@ import torch
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
 from elastiserve.engine.kv_manager import KVManager
+from elastiserve.engine.observe import engine_stats, observe_step
+from elastiserve.engine.outputs import CompletionResult, RequestOutput
 from elastiserve.engine.runner import ModelRunner
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
 
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    metrics: SequenceMetrics
-    text: str | None = None  # full output text, set when finished and a tokenizer is present
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    metrics: SequenceMetrics
+__all__ = ["CompletionResult", "LLMEngine", "RequestOutput"]
 
 
 class LLMEngine:
@@ -220,38 +201,7 @@ class LLMEngine:
 
     # ---- control ---------------------------------------------------------------------------------------------
     def _observe(self, demand: StepDemand | None):
-        from elastiserve.control.observation import StepObservation
-
-        state = self.runner.pool.block_pool.state
-        running = self.scheduler.running
-        per_layer = state.residual_layers()
-        eligible = sum(len(self.kv.demotable_pairs(s)) for s in running) if self.kv.num_free_slots else 0
-        base = self.kv.counts()["base_pairs"]
-        return StepObservation(
-            step=self.step_count,
-            now=time.monotonic(),
-            free_blocks=self.kv.pool.num_free(False),
-            total_blocks=self.kv.pool.num_blocks,
-            native_blocks=self.kv.pool.num_blocks - state.num_free_blocks(True) + state.num_free_blocks(False),
-            demand_blocks=None if demand is None else demand.blocks_needed,
-            required_blocks=0 if demand is None else demand.required_blocks,
-            blocks_per_unit=max(1, len(state.unit_blocks(0))),
-            backed_units=state.num_backed_units(),
-            residual_layers=len(per_layer),
-            units_per_layer=max(per_layer.values(), default=0),
-            fast_layers=self.runner.fast_layers,
-            evicted_layers=state.fast_layers,
-            restorable_layers=tuple(sorted(state.fast_layers)),
-            free_units=state.num_free_units(),
-            target_pairs_eligible=min(eligible, self.kv.num_free_slots),
-            base_pairs=base,
-            resident_pairs=sum(len(s.pair_states) for s in running),
-            base_pairs_promotable=len(self.kv.promotion_candidates(running)),
-            promotions_in_flight=len(self.kv.promotions_in_flight()),
-            restore_in_flight=bool(state.restoring_tasks()),
-            running=len(running),
-            waiting=len(self.scheduler.waiting),
-        )
+        return observe_step(self.step_count, self.kv, self.scheduler, self.runner, demand)
 
     def _apply(self, decision) -> None:
         now, step = time.monotonic(), self.step_count
@@ -393,19 +343,7 @@ class LLMEngine:
         return results
 
     def stats(self) -> dict[str, Any]:
-        counts = self.kv.counts()
-        return {
-            **counts,
-            "kv_usage": 1.0 - counts["free_blocks"] / max(1, counts["total_blocks"]),
-            "base_exposure": self.kv.exposure.ratio,
-            "fast_layers": sorted(self.runner.fast_layers),
-            "mode": "fast" if self.runner.fast_layers else "full",
-            "transitions": self.events.counts(),
-            "preemptions": self.scheduler.num_preemptions,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "steps": self.step_count,
-        }
+        return engine_stats(self.step_count, self.kv, self.scheduler, self.runner, self.events)
 
 
 def _resolve_device(name: str) -> torch.device:

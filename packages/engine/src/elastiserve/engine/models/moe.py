@@ -1,13 +1,15 @@
 """Sparse MoE: top-k softmax routing and expert compute over stacked expert weights.
 
 Expert weights are stacked ``w_gate_up[E, 2 * I, H]`` (gate rows first, then up) and ``w_down[E, H, I]`` so that a
-grouped GEMM (``torch.ops.elastiserve.nested_moe`` on the GPU) can take them as they are.
+grouped GEMM can take them as they are. With nested weights the runner replaces both by ``NestedExperts`` planes and
+the ``grouped_gemm`` hook by one that runs ``torch.ops.elastiserve.nested_moe`` (``engine/nested_weights.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +18,8 @@ from elastiserve.engine.models.layers import silu_and_mul
 
 # grouped_gemm(x_sorted[M, K], weight[E, N, K], group_offsets[E + 1] int64) -> [M, N]
 # Rows group_offsets[e]:group_offsets[e + 1] of x_sorted belong to expert e and are multiplied by weight[e]^T.
-GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# ``weight`` is the block's stacked tensor, or whatever replaced it that the hook understands (nested planes).
+GroupedGemm = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
 
 
 def grouped_gemm_reference(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
@@ -44,11 +47,14 @@ def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: Any,
+    w_down: Any,
     grouped_gemm: GroupedGemm = grouped_gemm_reference,
 ) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x[T, H]; returns [T, H] in x's dtype."""
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x[T, H]; returns [T, H] in x's dtype.
+
+    ``w_gate_up`` / ``w_down``: stacked [E, N, K] tensors, or what ``grouped_gemm`` takes in their place (anything
+    with their ``shape``)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_gate_up.shape[0]
     flat_ids = topk_ids.reshape(-1)
@@ -70,7 +76,8 @@ def moe_experts(
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + stacked experts. ``grouped_gemm`` is the hook the runner replaces with the nested kernel."""
+    """Router + stacked experts. ``grouped_gemm`` is the hook the runner replaces with the nested kernel (and
+    ``w_gate_up`` / ``w_down`` with their nested planes)."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool

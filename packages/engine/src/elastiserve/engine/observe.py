@@ -1,0 +1,65 @@
+"""Read-only views of a running engine: the control plane's ``StepObservation`` and the ``stats()`` dictionary.
+
+Both only read the scheduler, the KV manager and the runner's mode and unit books; nothing here changes state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from elastiserve.engine.kv_manager import KVManager
+from elastiserve.engine.scheduler import Scheduler, StepDemand
+
+
+def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, demand: StepDemand | None) -> Any:
+    """The ``StepObservation`` a policy decides on; ``demand`` is the scheduler's dry run (None: not probed)."""
+    from elastiserve.control.observation import StepObservation
+
+    state = runner.pool.block_pool.state
+    running = scheduler.running
+    per_layer = state.residual_layers()
+    eligible = sum(len(kv.demotable_pairs(s)) for s in running) if kv.num_free_slots else 0
+    base = kv.counts()["base_pairs"]
+    return StepObservation(
+        step=step,
+        now=time.monotonic(),
+        free_blocks=kv.pool.num_free(False),
+        total_blocks=kv.pool.num_blocks,
+        native_blocks=kv.pool.num_blocks - state.num_free_blocks(True) + state.num_free_blocks(False),
+        demand_blocks=None if demand is None else demand.blocks_needed,
+        required_blocks=0 if demand is None else demand.required_blocks,
+        blocks_per_unit=max(1, len(state.unit_blocks(0))),
+        backed_units=state.num_backed_units(),
+        residual_layers=len(per_layer),
+        units_per_layer=max(per_layer.values(), default=0),
+        fast_layers=runner.fast_layers,
+        evicted_layers=state.fast_layers,
+        restorable_layers=tuple(sorted(state.fast_layers)),
+        free_units=state.num_free_units(),
+        target_pairs_eligible=min(eligible, kv.num_free_slots),
+        base_pairs=base,
+        resident_pairs=sum(len(s.pair_states) for s in running),
+        base_pairs_promotable=len(kv.promotion_candidates(running)),
+        promotions_in_flight=len(kv.promotions_in_flight()),
+        restore_in_flight=bool(state.restoring_tasks()),
+        running=len(running),
+        waiting=len(scheduler.waiting),
+    )
+
+
+def engine_stats(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, events: Any) -> dict[str, Any]:
+    """What ``LLMEngine.stats()`` reports (the Prometheus exporter turns every numeric field into a gauge)."""
+    counts = kv.counts()
+    return {
+        **counts,
+        "kv_usage": 1.0 - counts["free_blocks"] / max(1, counts["total_blocks"]),
+        "base_exposure": kv.exposure.ratio,
+        "fast_layers": sorted(runner.fast_layers),
+        "mode": "fast" if runner.fast_layers else "full",
+        "transitions": events.counts(),
+        "preemptions": scheduler.num_preemptions,
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+        "steps": step,
+    }

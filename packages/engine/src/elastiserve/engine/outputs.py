@@ -1,0 +1,29 @@
+"""What the engine hands back: one ``RequestOutput`` per sampled token, one ``CompletionResult`` per ``generate``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastiserve.engine.sequence import SequenceMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    metrics: SequenceMetrics
+    text: str | None = None  # full output text, set when finished and a tokenizer is present
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    metrics: SequenceMetrics

@@ -1,0 +1,124 @@
+"""One step's inputs: plain lists gathered from the scheduled batch (what tensor parallelism broadcasts), and the
+preallocated device buffers they are copied into (eager steps use prefixes, CUDA graphs capture the same storage).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from elastiserve.engine.attention_context import AttentionMetadata
+from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.kv_manager import KVManager
+from elastiserve.engine.sampling import SamplingParams
+from elastiserve.engine.scheduler import ScheduledBatch
+from elastiserve.kernels.attention_plan import GENERAL, STRUCTURED, choose_path
+
+
+@dataclass(slots=True)
+class StepInputs:
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    pair_modes: list[list[int]] = field(default_factory=list)
+    sample_indices: list[int] = field(default_factory=list)  # sequences whose chunk ends this step
+    sample_params: list[SamplingParams] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    token_ids: list[int | None]  # one per scheduled sequence; None when its chunk did not reach the end
+
+
+def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
+    """Everything the device needs for one step, as plain lists (what tensor parallelism broadcasts)."""
+    bs = kv.block_size
+    inputs = StepInputs()
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        start = seq.num_computed_tokens
+        inputs.tokens.extend(seq.token_ids[start : start + n])
+        inputs.positions.extend(range(start, start + n))
+        inputs.slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+        inputs.query_lens.append(n)
+        inputs.seq_lens.append(start + n)
+        inputs.block_tables.append(list(seq.block_table))
+        inputs.pair_modes.append(kv.pair_modes(seq))
+        if batch.samples(i):
+            inputs.sample_indices.append(i)
+            inputs.sample_params.append(seq.params)
+            inputs.request_ids.append(seq.request_id)
+    return inputs
+
+
+class InputBuffers:
+    """Preallocated inputs: eager steps use prefixes, CUDA graphs capture the same storage."""
+
+    def __init__(self, config: EngineConfig, max_blocks: int, device: torch.device) -> None:
+        t, b = config.max_num_batched_tokens, config.max_num_seqs
+        max_pairs = math.ceil(max_blocks / 2)
+        self.max_blocks = max_blocks
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(b + 1, dtype=torch.int32, device=device)
+        self.base_bounds = torch.zeros((b, 2), dtype=torch.int32, device=device)
+        self.pair_mode = torch.zeros((b, max_pairs), dtype=torch.uint8, device=device)
+
+    def load(self, inputs: StepInputs, padded_batch: int | None = None) -> AttentionMetadata:
+        """Fill the buffers; ``padded_batch`` pads a decode batch to a captured graph size."""
+        num_seqs = len(inputs.seq_lens)
+        padded = padded_batch or num_seqs
+        pad = padded - num_seqs  # graph padding: one dummy token per row, reading block 0, writing nowhere
+        qsl = [0]
+        for n in inputs.query_lens + [1] * pad:
+            qsl.append(qsl[-1] + n)
+        _fill(self.input_ids, inputs.tokens + [0] * pad)
+        _fill(self.positions, inputs.positions + [0] * pad)
+        _fill(self.slot_mapping, inputs.slots + [-1] * pad)
+        _fill(self.query_start_loc, qsl)
+        _fill(self.seq_lens, inputs.seq_lens + [1] * pad)
+        table = torch.zeros((padded, self.max_blocks), dtype=torch.int32)
+        for i, row in enumerate(inputs.block_tables):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        self.block_tables[:padded].copy_(table, non_blocking=True)
+        path, bounds = choose_path(inputs.pair_modes)
+        if path == STRUCTURED:
+            rows = bounds + [(0, 0)] * pad
+            self.base_bounds[:padded].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        elif path == GENERAL:
+            modes = torch.zeros((padded, self.pair_mode.shape[1]), dtype=torch.uint8)
+            for i, row in enumerate(inputs.pair_modes):
+                modes[i, : len(row)] = torch.tensor(row, dtype=torch.uint8)
+            self.pair_mode[:padded].copy_(modes, non_blocking=True)
+        return self.metadata_view(qsl[-1], padded, max(inputs.query_lens), path)
+
+    def metadata_view(self, num_tokens: int, num_seqs: int, max_query_len: int, path: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.block_tables[:num_seqs],
+            seq_lens=self.seq_lens[:num_seqs],
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            max_query_len=max_query_len,
+            path=path,
+            base_bounds=self.base_bounds[:num_seqs] if path == STRUCTURED else None,
+            pair_mode=self.pair_mode[:num_seqs] if path == GENERAL else None,
+        )
+
+    def reset_for_capture(self, size: int) -> None:
+        """Inputs that write nothing, for capturing a decode graph of ``size`` rows."""
+        self.slot_mapping[:size].fill_(-1)
+        self.seq_lens[:size].fill_(1)
+        self.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+        self.block_tables[:size].zero_()
+
+
+def _fill(buffer: torch.Tensor, values: list[int]) -> None:
+    buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
