@@ -176,7 +176,7 @@ def run_setting(name: str, args: argparse.Namespace, cfg: Setting, model: str) -
     for policy in args.policies:
         engine = build_engine(model, policy, settings)
         try:
-            if name == "moe" and t_base is None:
+            if t_base is None:  # one T_base for every policy: the first engine's (static-fp16 in the default order)
                 t_base_info = {"policy": policy, **p99_decode_step(engine, cfg.t_base_batch, cfg.t_base_context)}
                 t_base = t_base_info["p99_s"]
                 print(f"T_base = P99 decode step, batch {cfg.t_base_batch} at {cfg.t_base_context} tokens, on the "

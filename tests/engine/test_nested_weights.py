@@ -100,6 +100,8 @@ def test_expert_planes_merge_back_bit_exactly(tiny_moe, device):
     assert kinds["decoder_layers.1.mlp.w_gate_up"] == (Nesting.E5M2, 0)
     assert kinds["decoder_layers.0.mlp.w_gate_up"] == (Nesting.E4M3, 0)
     assert report.weight_exps == {"decoder_layers.0.mlp.w_down": 2}
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    assert len(routers) == NUM_LAYERS and all(type(m) is torch.nn.Linear for m in routers)  # routers stay 16-bit
     for name, m in experts.items():
         assert report.layers[name][0] is m.nesting
         original = reference.get_parameter(name)

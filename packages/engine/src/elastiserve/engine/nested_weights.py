@@ -123,8 +123,12 @@ def nest_experts(block: SparseMoeBlock, prefix: str, report: NestingReport) -> N
 
 
 def nest_weights(model: nn.Module) -> NestingReport:
-    """Nest every ``nn.Linear`` but ``lm_head`` and every MoE block's stacked experts, in place."""
-    report = nest_model(model)
+    """Nest every ``nn.Linear`` but ``lm_head`` and the MoE routers, and every MoE block's stacked experts, in place.
+
+    The router (``gate``, hidden x num_experts: 0.1 % of a Qwen3-MoE layer's bytes) stays 16-bit, as serving systems
+    keep it: an FP8 router would change which experts run in fast mode, not only how precisely they run.
+    """
+    report = nest_model(model, skip=("lm_head", "gate"))
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
     for name, block in blocks:
         nest_experts(block, name, report)
