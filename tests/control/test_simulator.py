@@ -14,13 +14,20 @@ from elastiserve.control.metrics import format_table
 from elastiserve.control.sim_replica import ReplicaConfig
 from elastiserve.control.simulate import ablation, main
 from elastiserve.control.simulator import SimConfig, capacity_sweep, simulate
-from elastiserve.control.step_model import load_step_model
+from elastiserve.control.step_model import StepModel
 from elastiserve.control.workloads import Request, load_trace, synthetic
 from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
 SIM = SimConfig(replica=ReplicaConfig(native_blocks=4096, units_per_layer=32, max_num_seqs=128))
+# The ablation tests check mechanisms (what promotion and the demotion trigger buy), so they pin one step model
+# instead of the shipped calibration, which changes with every GPU measurement: these are the anchor-derived
+# coefficients (HBM 4.3 TB/s, fp16 GEMM ~660 TFLOP/s) the paper-direction margins below were set against.
+ANCHOR_STEP_MODEL = StepModel(
+    host_overhead_s=0.0015, weight_read_full_s=0.003735, weight_read_fast_s=0.001867, compute_per_token_full_s=2.43e-5,
+    compute_per_token_fast_s=1.43e-5, kv_read_per_token_s=3.05e-8, base_read_fraction=0.5, demote_batch_s=0.0005,
+    restore_per_unit_s=4.2e-5, device="H200 anchors (derived)")
 PAPER_SIM = SimConfig(replica=ReplicaConfig(native_blocks=2560, units_per_layer=32, max_num_seqs=128,
                                             max_num_batched_tokens=2048), max_concurrency=38)
 
@@ -32,7 +39,7 @@ def bursty():
     return {name: simulate(requests, name, SIM) for name in PRESETS}
 
 
-def _ablations(requests, sim, step_model=None):
+def _ablations(requests, sim, step_model=ANCHOR_STEP_MODEL):
     runs = {"elastickv": simulate(requests, "elastickv", sim, step_model)}
     for name in ("watermark-demotion", "eager-promotion", "no-promotion"):
         runs[name] = simulate(requests, ablation(name), sim, step_model)
@@ -138,13 +145,13 @@ def test_transition_time_is_paid_in_steps():
     as the closed loop never queues a request behind another's prefill). With a PCIe link slow enough
     that one round of promotion copies outlasts a step, the step's upload waits for them and TPOT rises."""
     requests = [Request(i, 0.0, 1024, 256) for i in range(300)]
-    slow_demote = replace(load_step_model(), demote_batch_s=0.025)
+    slow_demote = replace(ANCHOR_STEP_MODEL, demote_batch_s=0.025)
     base = simulate(requests, "elastickv", PAPER_SIM, slow_demote).summary()
     watermark = simulate(requests, ablation("watermark-demotion"), PAPER_SIM, slow_demote).summary()
     assert watermark.demoted_pairs > base.demoted_pairs
     assert watermark.tpot_mean > 1.05 * base.tpot_mean
-    slow_link = replace(load_step_model(), h2d_bytes_per_s=1e9)
-    fast_run = simulate(requests, preset("elastickv").with_kv(promotion="eager"), PAPER_SIM)
+    slow_link = replace(ANCHOR_STEP_MODEL, h2d_bytes_per_s=1e9)
+    fast_run = simulate(requests, preset("elastickv").with_kv(promotion="eager"), PAPER_SIM, ANCHOR_STEP_MODEL)
     slow_run = simulate(requests, preset("elastickv").with_kv(promotion="eager"), PAPER_SIM, slow_link)
     assert fast_run.replicas[0].h2d_stall_s == 0 < slow_run.replicas[0].h2d_stall_s
     assert slow_run.summary().tpot_mean > fast_run.summary().tpot_mean

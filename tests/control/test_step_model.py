@@ -43,3 +43,21 @@ def test_old_json_loads_and_bad_bandwidth_fails(tmp_path):
     assert sm.demote_batch_s == 0.004 and sm.h2d_bytes_per_s == 55e9
     with pytest.raises(ConfigError):
         replace(sm, h2d_bytes_per_s=0.0)
+
+
+def test_plain_fp16_policies_use_the_unnested_coefficients():
+    """The shipped model is the H200 engine measurement: the nested full-mode decode step is ~2x the plain fp16 one,
+    so a policy without nested weights (static-fp16, elastickv) is costed on its own coefficients, never in fast
+    mode, and T_base is the plain fp16 single-request step for every policy."""
+    sm = load_step_model()
+    assert sm.commit != "none" and "measured" in sm.device
+    plain = sm.step_time(1, 512, nested=False)
+    full = sm.step_time(1, 512)
+    assert plain == pytest.approx(sm.host_overhead_s + sm.weight_read_unnested_s + 512 * sm.kv_read_per_token_s)
+    assert 1.8 < full / plain < 2.2  # 13.73 ms vs 6.88 ms measured
+    assert sm.step_time(1, 512, fast_fraction=1.0, nested=False) == plain
+    assert sm.base_tpot(512) == plain
+    prefill = sm.step_time(4096, 0, nested=False)
+    assert prefill == pytest.approx(sm.host_overhead_s + 4096 * sm.compute_per_token_unnested_s)
+    legacy = replace(sm, weight_read_unnested_s=None, compute_per_token_unnested_s=None)
+    assert legacy.step_time(1, 512, nested=False) == legacy.step_time(1, 512)  # older JSONs: one full mode

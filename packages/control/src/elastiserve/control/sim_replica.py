@@ -315,7 +315,8 @@ class Replica:
         fast = fast_layers / max(1, self.pool.num_layers)
         # The step's input upload queues behind the H2D bytes issued before it (earlier rounds' copies).
         upload_wait = max(0.0, self._upload_barrier - self.now)
-        dt = upload_wait + self.sm.step_time(len(decodes) + prefill_tokens, context, base_ctx, fast, demoted, unpacked)
+        dt = upload_wait + self.sm.step_time(len(decodes) + prefill_tokens, context, base_ctx, fast, demoted, unpacked,
+                                             nested=self.control.uses_eviction)
         self.exposure.add(dt, base_read, pairs_read)
         self.modes.add(dt, fast_layers)
         self.h2d_stall_s += upload_wait

@@ -3,7 +3,9 @@
     t = host_overhead + max(weight read, batch_tokens x compute per token) + context KV read
         + demotion kernel (launch/metadata + bytes / kernel bandwidth) + unpack of landed promotions (same form)
 
-with weight read and compute interpolated between full and fast by the fraction of fast layers, and BASE context
+with weight read and compute interpolated between full and fast by the fraction of fast layers (a policy that
+keeps plain fp16 weights uses the ``*_unnested_*`` coefficients instead: on the H200 the nested full-mode decode
+step took 2.0x the plain fp16 one, so the two differ), and BASE context
 tokens read at ``base_read_fraction`` of a TARGET token. Fidelity transitions are costed from bytes, not fitted:
 a demoted pair reads its two blocks and writes the packed block and the low-byte staging (4 blocks of HBM traffic),
 an unpacked promotion reads the packed block and the staged low bytes and writes two blocks (4 blocks too), both at
@@ -25,7 +27,8 @@ from elastiserve.platforms import ConfigError
 DEFAULT_STEP_MODEL = "step_model_h200_llama31_8b.json"
 TRANSITION_BLOCKS_MOVED = 4  # HBM bytes of one pack or unpack, in blocks (ARCHITECTURE.md, KV fidelity)
 OPTIONAL_KEYS = {"residual_units_per_layer", "device", "commit", "provenance", "promote_batch_s", "block_bytes",
-                 "h2d_bytes_per_s", "transition_kernel_bytes_per_s"}
+                 "h2d_bytes_per_s", "transition_kernel_bytes_per_s", "weight_read_unnested_s",
+                 "compute_per_token_unnested_s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +47,15 @@ class StepModel:
     h2d_bytes_per_s: float = 55e9
     transition_kernel_bytes_per_s: float = 3.93e12
     residual_units_per_layer: int = 104
+    weight_read_unnested_s: float | None = None  # plain fp16 weights (static-fp16, elastickv); None: the full values
+    compute_per_token_unnested_s: float | None = None
     device: str = "unknown"
     commit: str = "unknown"
     provenance: str = ""
 
     def __post_init__(self) -> None:
-        numbers = [getattr(self, f.name) for f in fields(self) if f.type in ("float", "int")]
+        numbers = [getattr(self, f.name) for f in fields(self) if f.type in ("float", "int", "float | None")]
+        numbers = [x for x in numbers if x is not None]
         if any(x < 0 for x in numbers):
             raise ConfigError("step-model coefficients must be >= 0")
         if not 0 < self.base_read_fraction <= 1:
@@ -80,13 +86,21 @@ class StepModel:
         fast_fraction: float = 0.0,
         demoted_pairs: int = 0,
         unpacked_pairs: int = 0,
+        nested: bool = True,
     ) -> float:
-        """Seconds for one step. ``fast_fraction`` is the fraction of decoder layers in fast (FP8) mode."""
+        """Seconds for one step. ``fast_fraction`` is the fraction of decoder layers in fast (FP8) mode;
+        ``nested=False`` is a policy that keeps plain fp16 weights (it never has fast layers)."""
         if batch_tokens <= 0:
             return 0.0
         f = min(1.0, max(0.0, fast_fraction))
-        weights = (1 - f) * self.weight_read_full_s + f * self.weight_read_fast_s
-        compute = batch_tokens * ((1 - f) * self.compute_per_token_full_s + f * self.compute_per_token_fast_s)
+        full_read, full_compute = self.weight_read_full_s, self.compute_per_token_full_s
+        if not nested:
+            f = 0.0
+            full_read = self.weight_read_unnested_s if self.weight_read_unnested_s is not None else full_read
+            if self.compute_per_token_unnested_s is not None:
+                full_compute = self.compute_per_token_unnested_s
+        weights = (1 - f) * full_read + f * self.weight_read_fast_s
+        compute = batch_tokens * ((1 - f) * full_compute + f * self.compute_per_token_fast_s)
         target_tokens = context_tokens - base_context_tokens
         kv = self.kv_read_per_token_s * (target_tokens + self.base_read_fraction * base_context_tokens)
         demotion = (self.demote_batch_s + self.demote_per_pair_s * demoted_pairs) if demoted_pairs else 0.0
@@ -94,8 +108,9 @@ class StepModel:
         return self.host_overhead_s + max(weights, compute) + kv + demotion + unpack
 
     def base_tpot(self, context_tokens: int = 1024) -> float:
-        """T_base of the DPS SLO: an unloaded single-request decode step in full mode."""
-        return self.step_time(1, context_tokens)
+        """T_base of the DPS SLO: an unloaded single-request decode step of the plain fp16 baseline, one value for
+        every policy of a comparison."""
+        return self.step_time(1, context_tokens, nested=False)
 
 
 def load_step_model(path: Path | None = None) -> StepModel:
