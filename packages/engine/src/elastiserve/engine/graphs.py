@@ -3,7 +3,8 @@
 A decode step of B sequences is padded to the next captured size; the graph reads the runner's preallocated input
 and metadata buffers, so a replay only needs those buffers refilled. Graphs are captured lazily the first time a key
 is seen (the warm-up run before capture executes the step for real, so the first use costs one extra forward);
-``capture_common`` captures the all-full native-path graphs up front. All graphs share one memory pool.
+``capture_common`` captures every size on the given paths in the current mode up front (the runner calls it for
+the modes and paths its policy reaches). All graphs share one memory pool.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ class GraphRunner:
             self.graphs[key] = step
         return step
 
-    def capture_common(self) -> None:
-        """Capture the full-mode native-path graph of every size, with inputs that write nothing."""
+    def capture_common(self, paths: tuple[int, ...] = (0,)) -> None:
+        """Capture the graph of every size on each attention path in the runner's current mode, with inputs that
+        write nothing."""
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its pool
-            self.runner.buffers.reset_for_capture(size)
-            self.get(size, 0)
+            for path in paths:
+                self.runner.buffers.reset_for_capture(size)
+                self.get(size, path)
 
     def _capture(self, batch_size: int, path: int) -> CapturedStep:
         r = self.runner

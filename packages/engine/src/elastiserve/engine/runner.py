@@ -22,6 +22,7 @@ from elastiserve.engine.kv_pool import create_kv_pool
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
 from elastiserve.engine.step_inputs import InputBuffers, StepInputs, StepOutput, gather_step_inputs
+from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED
 
 __all__ = ["TRANSFER_CHUNK_PAIRS", "ModelRunner", "StepInputs", "StepOutput"]
 
@@ -215,8 +216,26 @@ class ModelRunner:
         self.pool.manager.evict_layers(layers)
 
     def capture_graphs(self) -> None:
-        if self.graphs is not None:
-            self.graphs.capture_common()
+        """Capture, before serving, the decode graphs the policy reaches without per-layer mixes: every batch size
+        on the native path, plus the structured and general paths when KV demotion is on, in full mode and (nested
+        weights) all-fast mode. A graph first met mid-run compiles its kernels there: on the H200 the first
+        demotion step of an elastickv run took 3.3 s (benchmarks/serving/results/dense-tiny-run1, steps 91-92).
+        Per-layer mixes (combined with layer granularity) are still captured when first used."""
+        if self.graphs is None:
+            return
+        paths = (NATIVE, STRUCTURED, GENERAL) if self.config.uses_kv_demotion else (NATIVE,)
+        all_fast = frozenset(range(self.model_config.num_hidden_layers))
+        if self.config.policy == "static-fp8":
+            mode_sets = [all_fast]
+        elif self.config.uses_nested_weights:
+            mode_sets = [frozenset(), all_fast]
+        else:
+            mode_sets = [frozenset()]
+        before = self.fast_layers
+        for fast_layers in mode_sets:
+            self.set_fast_layers(fast_layers)
+            self.graphs.capture_common(paths)
+        self.set_fast_layers(before)
 
     def between_steps(self, restore_layers: tuple[int, ...] | None) -> Any:
         """Commit finished residual restores; with ``restore_layers`` (``()`` = any) start restoring stale ones."""

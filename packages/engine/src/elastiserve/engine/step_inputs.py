@@ -118,6 +118,8 @@ class InputBuffers:
         self.seq_lens[:size].fill_(1)
         self.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
         self.block_tables[:size].zero_()
+        self.base_bounds[:size].zero_()  # structured path: no BASE range
+        self.pair_mode[:size].zero_()  # general path: every pair TARGET
 
 
 def _fill(buffer: torch.Tensor, values: list[int]) -> None:

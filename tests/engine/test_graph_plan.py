@@ -1,0 +1,61 @@
+"""Which decode graphs an engine captures before serving, per policy: the native path in full mode always; the
+structured and general paths too when KV demotion is on; the all-fast mode too with nested weights (static-fp8
+only that one). The CPU has no CUDA graphs, so a recorder stands in for the graph runner; the GPU e2e tests replay
+the real ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.llm_engine import LLMEngine
+from elastiserve.engine.models import build_model
+
+pytestmark = [pytest.mark.cpu]
+
+LAYERS = 3
+
+
+class RecordingGraphs:
+    def __init__(self, runner):
+        self.runner, self.captured = runner, []
+
+    def capture_common(self, paths):
+        self.captured.append((self.runner.fast_layers, paths))
+
+
+def engine_for(policy: str) -> LLMEngine:
+    config = transformers.LlamaConfig(
+        architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = build_model(config.to_dict(), dtype=torch.float16, device="cpu")
+    torch.manual_seed(0)
+    model.load_weights((n, (torch.randn_like(t, dtype=torch.float32) * 0.05).half())
+                       for n, t in transformers.LlamaForCausalLM(config).state_dict().items())
+    options = dict(model="tiny", device="cpu", policy=policy, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                   kv_cache_budget=64 * 3 * 2 * 2 * 4 * 16 * 2)
+    return LLMEngine(EngineConfig(**options), model=model, eos_token_ids=())
+
+
+@pytest.mark.parametrize("policy, expected", [
+    ("static-fp16", [(frozenset(), (0,))]),
+    ("elastickv", [(frozenset(), (0, 1, 2))]),
+    ("dps", [(frozenset(), (0,)), (frozenset(range(LAYERS)), (0,))]),
+    ("combined", [(frozenset(), (0, 1, 2)), (frozenset(range(LAYERS)), (0, 1, 2))]),
+    ("static-fp8", [(frozenset(range(LAYERS)), (0,))]),
+])  # fmt: skip
+def test_capture_plan_per_policy(policy, expected):
+    engine = engine_for(policy)
+    try:
+        runner = engine.runner
+        before = runner.fast_layers
+        runner.graphs = RecordingGraphs(runner)
+        runner.capture_graphs()
+        assert runner.graphs.captured == expected
+        assert runner.fast_layers == before  # the mode the engine was in is put back
+    finally:
+        engine.close()
