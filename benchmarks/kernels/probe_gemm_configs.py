@@ -1,8 +1,9 @@
 """One-shot GPU probe: tile configs of the nested GEMM at decode sizes, and the merged full-mode path at prefill sizes.
 
 Decode (M = 1, 16): each candidate tile config (split-K chosen for occupancy as ``configs.choose_config`` does) in
-full, weight-only and fp8 modes, against torch fp16, CUDA-graph timed over weight copies past the L2 (the kernel
-benchmark's method). Prefill (M >= 128): the fused full-mode kernel against ``merge_planes`` + torch fp16 GEMM.
+full mode (portable and packed-PTX decode), weight-only and fp8 modes, against torch fp16, CUDA-graph timed over
+weight copies past the L2 (the kernel benchmark's method). Prefill (M >= 128): the fused full-mode kernel against
+``merge_planes`` + torch fp16 GEMM.
 
     python benchmarks/kernels/probe_gemm_configs.py --out probe.json
 """
@@ -59,15 +60,18 @@ def probe_decode(name: str, n: int, k: int, weights, out: list) -> None:
         for bn, bk, warps, stages in DECODE_CANDIDATES:
             config = with_split(G(16, bn, bk, num_warps=warps, num_stages=stages), m, n, k)
             row = {"shape": name, "M": m, "config": asdict(config), "torch_fp16_us": fp16}
-            for mode in ("full", "weight_only", "fp8"):
+            for mode in ("full", "full_ptx", "weight_only", "fp8"):
                 try:
-                    row[mode] = time_ours(x, weights, mode, config)
+                    if mode == "full_ptx":  # the packed-word PTX decode (weight_decode.decode_weight_tile_ptx)
+                        row[mode] = time_ours(x, weights, "full", replace(config, ptx_decode=True))
+                    else:
+                        row[mode] = time_ours(x, weights, mode, config)
                 except Exception as exc:  # out of shared memory on this GPU, say
                     row[mode] = None
                     row[f"{mode}_error"] = str(exc)[:200]
             out.append(row)
             cells = "  ".join(f"{mo} {row[mo]:7.1f} ({fp16 / row[mo]:.2f}x)" if row[mo] else f"{mo} failed"
-                              for mo in ("full", "weight_only", "fp8"))
+                              for mo in ("full", "full_ptx", "weight_only", "fp8"))
             print(f"{name:8s} M={m:3d} {bn:4d}x{bk:4d} w{warps} s{stages} split{config.split_k}  fp16 {fp16:7.1f}  "
                   f"{cells}", flush=True)
 

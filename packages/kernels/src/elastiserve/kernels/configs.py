@@ -36,6 +36,9 @@ class GemmConfig:
     swap_ab: bool = True  # weight is operand A: acc is [BLOCK_N, BLOCK_M]
     split_k: int = 1
     group_m: int = 8
+    # Decode the weight tile with packed-word PTX (``weight_decode.decode_weight_tile_ptx``), NVIDIA only. Off in
+    # the tables until the H200 has timed it against the portable decode (the probe script compares both).
+    ptx_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):

@@ -22,7 +22,8 @@ import triton.language as tl
 from elastiserve.kernels import configs, formats
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.merge_planes import merge_planes
-from elastiserve.platforms import ConfigError, FastGemm, current_platform
+from elastiserve.kernels.weight_decode import decode_weight_tile, decode_weight_tile_ptx
+from elastiserve.platforms import ConfigError, FastGemm, Vendor, current_platform
 from elastiserve.platforms.env import triton_interpret
 
 FULL, WEIGHT_ONLY, FP8 = 0, 1, 2
@@ -36,41 +37,13 @@ _SCALE_FLOOR = 1e-8
 
 
 @triton.jit
-def decode_weight_tile(u, low, MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr):
-    """uint8 upper (and lower) tiles -> the tile tl.dot consumes (fp16, or fp8 for MODE == FP8)."""
-    if MODE == 0:
-        u16 = u.to(tl.uint16)
-        l16 = low.to(tl.uint16)
-        carry = l16 >> 7
-        if NESTING == 1:  # E4M3: mantissa bit 7 is in both bytes; the top exponent bit is known zero
-            hi = (u16 & 0x80) | (((u16 - carry) >> 1) & 0x3F)
-        else:  # E5M2: upper was rounded half away from zero
-            hi = u16 - carry
-        return ((hi << 8) | l16).to(tl.float16, bitcast=True)
-    elif MODE == 1:
-        u16 = u.to(tl.uint16)
-        if NESTING == 1:  # E4M3FN value / 256 (~ w): same exponent field as fp16 with E[4] = 0
-            bits = ((u16 & 0x80) << 8) | ((u16 & 0x7F) << 7)
-        else:
-            bits = u16 << 8
-        return bits.to(tl.float16, bitcast=True)
-    else:
-        if FNUZ:
-            v = tl.where(u == 0x80, 0, u).to(tl.uint8)  # -0 in OCP is NaN in FNUZ
-            if NESTING == 1:
-                return v.to(tl.float8e4b8, bitcast=True)
-            return v.to(tl.float8e5b16, bitcast=True)
-        return u  # the launcher passed the plane already viewed as its OCP fp8 dtype: no register bitcast
-
-
-@triton.jit
 def _nested_gemm_kernel(
     x_ptr, x_scale_ptr, upper_ptr, lower_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ln, stride_lk, stride_os, stride_om, stride_on,
     w_scale,
     MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -110,7 +83,10 @@ def _nested_gemm_kernel(
             low = tl.load(lower_ptr + offs_n[:, None] * stride_ln + offs_k[None, :] * stride_lk, mask=w_mask, other=0)
         else:
             low = u
-        w = decode_weight_tile(u, low, MODE, NESTING, FNUZ)  # [BLOCK_N, BLOCK_K]
+        if PTX_DECODE and MODE != 2:
+            w = decode_weight_tile_ptx(u, low, MODE, NESTING)  # [BLOCK_N, BLOCK_K], four weights per asm call
+        else:
+            w = decode_weight_tile(u, low, MODE, NESTING, FNUZ)
         if SWAP_AB:
             if EVEN_K:
                 x_mask = mask_m[None, :]
@@ -235,6 +211,8 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         config = configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)
     if mode == "fp8" and config.block_k < 32:
         raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
+    if config.ptx_decode and (platform.vendor is not Vendor.NVIDIA or triton_interpret()):
+        raise ConfigError(f"ptx_decode needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
     x_scale = x  # placeholder pointer when unused
     if mode == "fp8":
         x, x_scale = quantize_per_token(x, fnuz)
@@ -249,6 +227,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         weight_scale(nesting, mode, fnuz, weight_exp),
         MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, HAS_BIAS=bias is not None,
         SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
+        PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -22,7 +22,6 @@ from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.nested_gemm import (
     MODE_IDS,
     _is_fnuz,
-    decode_weight_tile,
     fast_mode_for,
     quantize_per_token,
     quantize_per_token_ref,
@@ -30,6 +29,7 @@ from elastiserve.kernels.nested_gemm import (
     upper_for_kernel,
     weight_scale,
 )
+from elastiserve.kernels.weight_decode import decode_weight_tile
 from elastiserve.platforms import current_platform
 
 
