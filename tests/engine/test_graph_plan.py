@@ -1,4 +1,5 @@
-"""Which decode graphs an engine captures before serving, per policy: the native path in full mode always; the
+"""What an engine prepares before serving: the pair kernels run once (block 0 onto itself, bit-exact), and which
+decode graphs it captures, per policy: the native path in full mode always; the
 structured and general paths too when KV demotion is on; the all-fast mode too with nested weights (static-fp8
 only that one). The CPU has no CUDA graphs, so a recorder stands in for the graph runner; the GPU e2e tests replay
 the real ones."""
@@ -57,5 +58,28 @@ def test_capture_plan_per_policy(policy, expected):
         runner.capture_graphs()
         assert runner.graphs.captured == expected
         assert runner.fast_layers == before  # the mode the engine was in is put back
+    finally:
+        engine.close()
+
+
+def test_warm_up_runs_the_pair_kernels_and_leaves_block_zero_bit_exact():
+    engine = engine_for("elastickv")
+    try:
+        runner = engine.runner
+        values = torch.randn(runner.kv_cache[0].shape, generator=torch.Generator().manual_seed(3)) * 100
+        runner.kv_cache[0].copy_(values.half())
+        before = runner.kv_cache[0].view(torch.int16).clone()
+        calls = []
+        ops = runner.ops
+
+        class CountingOps:
+            def __getattr__(self, name):
+                fn = getattr(ops, name)
+                return lambda *args: (calls.append(name), fn(*args))[1]
+
+        runner.ops = CountingOps()
+        runner.warm_up()
+        assert calls == ["kv_demote", "kv_promote"]
+        assert torch.equal(runner.kv_cache[0].view(torch.int16), before)
     finally:
         engine.close()

@@ -77,7 +77,7 @@ class LLMEngine:
         self._restore_layers: tuple[int, ...] | None = None
         self._seq_ids = itertools.count()
         self._seq_index: dict[str, int] = {}
-        self.runner.capture_graphs()
+        self.runner.warm_up()
 
     @property
     def max_model_len(self) -> int:

@@ -215,6 +215,17 @@ class ModelRunner:
         """Hand the residual units of ``layers`` to KV (their layers run fast from the next step on)."""
         self.pool.manager.evict_layers(layers)
 
+    def warm_up(self) -> None:
+        """Before serving: compile the pair-transfer kernels and capture the decode graphs (``capture_graphs``)."""
+        if self.config.uses_kv_demotion:
+            # Demote then promote block 0 onto itself (a pair of one block: the pack reads both halves before it
+            # writes, the unpack restores it bit-exactly), so the first real demotion does not compile mid-run.
+            block = torch.zeros(1, dtype=torch.int64, device=self.device)
+            low = torch.empty((1, 2 * self.block_elems), dtype=torch.uint8, device=self.device)
+            self.ops.kv_demote(self.kv_cache, block, block, low)
+            self.ops.kv_promote(self.kv_cache, block, block, block, low)
+        self.capture_graphs()
+
     def capture_graphs(self) -> None:
         """Capture, before serving, the decode graphs the policy reaches without per-layer mixes: every batch size
         on the native path, plus the structured and general paths when KV demotion is on, in full mode and (nested

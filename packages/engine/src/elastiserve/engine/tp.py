@@ -195,7 +195,7 @@ def replay_pool_log(pool: Any, entries: list[tuple]) -> None:
 class TPRunner:
     """Rank 0's stand-in for ``ModelRunner``: broadcast each device call, then make it locally."""
 
-    BROADCAST = ("run", "demote", "start_promote", "set_fast_layers", "release_request", "capture_graphs")
+    BROADCAST = ("run", "demote", "start_promote", "set_fast_layers", "release_request", "warm_up")
 
     def __init__(self, runner: Any, group: TPGroup) -> None:
         self.runner = runner
