@@ -2,7 +2,7 @@
 
 dense:   Llama-3.1-8B shapes, a 20 GB KV pool (``kv_cache_budget``), 600 requests of 4096 prompt / 1024 output tokens,
          closed-loop concurrency sweep 64 / 128 / 256, every policy side by side: preemptions, mean / P90 TTFT, TPOT,
-         BASE exposure, time in FP8 (fast) mode.
+         BASE exposure, time in FP8 (fast) mode; T_base as for moe, at batch min(32, highest concurrency).
 moe:     Qwen3-30B-A3B shapes, an 80 GB GPU-memory budget (``gpu_memory_budget``), Azure-conversation lengths with
          Gamma CV = 2 arrivals, rate sweep; capacity = the highest rate with >= 90 % joint-SLO attainment, T_base =
          the P99 decode step of batch 32 at 4k context, measured in the same run (on the first policy's engine,
@@ -126,7 +126,8 @@ def reduced_setting(name: str, args: argparse.Namespace) -> tuple[Setting, list[
     if name == "dense":
         budget = args.kv_budget_bytes or int(full.kv_cache_budget * s)
         cfg = replace(cfg, input_len=max(1, round(full.input_len * s)), output_len=max(1, round(full.output_len * s)),
-                      kv_cache_budget=budget)
+                      kv_cache_budget=budget, t_base_context=max(1, round(full.t_base_context * s)),
+                      t_base_batch=min(full.t_base_batch, max(cfg.concurrencies)))
     else:
         cfg = replace(cfg, t_base_context=max(1, round(full.t_base_context * s)),
                       extra={"max_prompt": max(1, round(AZURE_MAX_PROMPT * s)),
@@ -177,9 +178,10 @@ def run_setting(name: str, args: argparse.Namespace, cfg: Setting, model: str) -
         engine = build_engine(model, policy, settings)
         try:
             if t_base is None:  # one T_base for every policy: the first engine's (static-fp16 in the default order)
-                t_base_info = {"policy": policy, **p99_decode_step(engine, cfg.t_base_batch, cfg.t_base_context)}
+                context = min(cfg.t_base_context, cfg.max_model_len - 72)  # room for the 64 measured steps
+                t_base_info = {"policy": policy, **p99_decode_step(engine, cfg.t_base_batch, context)}
                 t_base = t_base_info["p99_s"]
-                print(f"T_base = P99 decode step, batch {cfg.t_base_batch} at {cfg.t_base_context} tokens, on the "
+                print(f"T_base = P99 decode step, batch {cfg.t_base_batch} at {context} tokens, on the "
                       f"{policy} engine: {1e3 * t_base:.2f} ms", flush=True)
             plan = BenchPlan(spec, policies=(policy,), rates=cfg.rates if name == "moe" else (),
                              concurrencies=cfg.concurrencies if name == "dense" else (), out_dir=args.out,
