@@ -1,0 +1,120 @@
+"""Compile the GEMM and attention kernels for a GPU target on any machine (no GPU needed) and report what decides
+their speed before a timing run: registers per thread (ptxas -v, hence CTAs per SM), shared memory, whether the
+main loops were software-pipelined (async copies in the TTGIR), and the integer instructions per weight of the GEMM
+decode (PTX).
+
+    python benchmarks/kernels/compile_report.py --out report.json          # sm90 (H100/H200)
+
+Uses Triton's own ptxas. Argument divisibility is declared as the JIT would for 16-aligned tensors and strides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from elastiserve.kernels import attention, attention_kernels, configs, nested_gemm
+
+ALIGNED_INTS = ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ln", "stride_os", "stride_om",
+                "stride_block", "stride_kv", "stride_head", "stride_tok", "stride_qt", "stride_ot", "stride_bt",
+                "stride_pm")
+DECODE_OPS = ("add", "sub", "shr", "shl", "and", "or", "xor", "prmt", "cvt", "lop3", "bfe", "selp", "mov")
+
+
+def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, arch: int):
+    signature = {name: ("constexpr" if name in constexprs else types[name]) for name in fn.arg_names}
+    aligned = [n for n in fn.arg_names if n not in constexprs and (types[n].startswith("*") or n in ALIGNED_INTS)]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def ptxas_registers(ptx: str, arch: int) -> int:
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(src), "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return int(re.search(r"Used (\d+) registers", out.stdout + out.stderr).group(1))
+
+
+def facts(kernel, arch: int, threads: int) -> dict:
+    regs = ptxas_registers(kernel.asm["ptx"], arch)
+    ops = {op: len(re.findall(rf"^\s*{op}\.", kernel.asm["ptx"], flags=re.M)) for op in DECODE_OPS}
+    return {"registers": regs, "ctas_per_sm_by_registers": 65536 // (regs * threads),
+            "shared_bytes": kernel.metadata.shared,
+            "async_copies": kernel.asm["ttgir"].count("async_copy_global_to_local"), "ptx_ops": ops}
+
+
+def gemm_report(arch: int) -> list[dict]:
+    types = {"x_ptr": "*fp16", "x_scale_ptr": "*fp32", "upper_ptr": "*u8", "lower_ptr": "*u8", "bias_ptr": "*fp16",
+             "out_ptr": "*fp32", "w_scale": "fp32"}
+    rows = []
+    for mode, ptx_decode in (("full", False), ("full", True), ("weight_only", False), ("weight_only", True),
+                             ("fp8", False)):
+        config = replace(configs.choose_config(f"sm{arch}", mode, 1, 6144, 4096, 132), ptx_decode=ptx_decode)
+        t = dict(types, **({"x_ptr": "*fp8e4nv", "upper_ptr": "*fp8e4nv"} if mode == "fp8" else {}))
+        t.update({n: "i32" for n in nested_gemm._nested_gemm_kernel.arg_names if n not in t})
+        const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": nested_gemm.MODE_IDS[mode],
+                 "NESTING": 1, "FNUZ": False, "HAS_BIAS": False, "SPLIT_K": config.split_k,
+                 "SWAP_AB": config.swap_ab, "EVEN_K": True, "PTX_DECODE": ptx_decode, "BLOCK_M": config.block_m,
+                 "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": config.group_m}
+        kernel = compile_kernel(nested_gemm._nested_gemm_kernel, t, const, config.num_warps, config.num_stages, arch)
+        row = {"kernel": "nested_gemm", "mode": mode, "ptx_decode": ptx_decode, "M": 1, "N": 6144, "K": 4096,
+               "config": repr(config), **facts(kernel, arch, 32 * config.num_warps)}
+        rows.append(row)
+        print(f"gemm {mode:11s} ptx_decode={ptx_decode!s:5s} regs {row['registers']:3d}  smem {row['shared_bytes']:6d}"
+              f"  async copies {row['async_copies']:2d}  integer/move PTX ops {sum(row['ptx_ops'].values()):5d}",
+              flush=True)
+    return rows
+
+
+def attention_report(arch: int) -> list[dict]:
+    fn = attention_kernels.paged_attention_kernel
+    types = {n: "i32" for n in fn.arg_names}
+    types.update({"q_ptr": "*fp16", "out_ptr": "*fp16", "kv_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+                  "qsl_ptr": "*i32", "bounds_ptr": "*i32", "pm_ptr": "*u8", "part_acc_ptr": "*fp32",
+                  "part_ml_ptr": "*fp32", "qk_scale": "fp32"})
+    rows = []
+    for path, base_pairs in ((0, attention.BASE_PAIRS_PER_TILE), (1, attention.BASE_PAIRS_PER_TILE), (1, 2),
+                             (2, attention.BASE_PAIRS_PER_TILE)):
+        const = {"BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 4, "BLOCK_D": 128,
+                 "PAIRS": attention.TARGET_PAIRS_PER_TILE, "BASE_PAIRS": base_pairs, "PATH": path, "NUM_SPLITS": 4,
+                 "INTERPRETED": False}
+        kernel = compile_kernel(fn, types, const, attention.NUM_WARPS, attention.NUM_STAGES, arch)
+        row = {"kernel": "paged_attention", "path": path, "base_pairs": base_pairs,
+               **facts(kernel, arch, 32 * attention.NUM_WARPS)}
+        rows.append(row)
+        print(f"attention path {path} base_pairs {base_pairs}: regs {row['registers']:3d} "
+              f"({row['ctas_per_sm_by_registers']} CTAs/SM)  smem {row['shared_bytes']:6d}  "
+              f"async copies {row['async_copies']}", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    report = {"arch": f"sm{args.arch}", "triton": triton.__version__, "gemm": gemm_report(args.arch),
+              "attention": attention_report(args.arch)}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
