@@ -225,3 +225,13 @@ def test_moe_static_fp16_tp2_equals_tp1(moe_dir, engines):
     engine = engines(moe_dir, 2)
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
     close_and_check_workers(engine)
+
+
+def test_idle_engine_keeps_its_workers(llama_dir, engines):
+    """Workers wait for plans as long as the engine idles: before, an engine idle for longer than the collective
+    timeout lost its workers (the wait for the next plan timed out)."""
+    engine = engines(llama_dir, 2, tp_timeout_s=3.0)
+    time.sleep(4.0)
+    results = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(results[0].token_ids) == 3
+    close_and_check_workers(engine)

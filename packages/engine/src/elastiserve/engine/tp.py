@@ -38,6 +38,10 @@ from elastiserve.platforms import ConfigError
 log = logging.getLogger(__name__)
 
 REAP_TIMEOUT_S = 30.0  # how long rank 0 waits for the workers to exit after the shutdown plan before terminating them
+# Workers wait for the next plan as long as the engine idles, so plans get a group of their own without a practical
+# timeout: on the default group an engine idle for tp_timeout_s (torch's default: 10 min NCCL, 30 min gloo) killed
+# its workers. A rank that dies still fails the wait at once (the connection closes).
+PLAN_TIMEOUT = timedelta(days=365)
 
 
 class TPError(EngineError):
@@ -50,6 +54,7 @@ class TPGroup:
     rank: int
     world_size: int
     device: torch.device
+    plans: Any = None  # the gloo group plans travel on (CPU objects: no device sync per plan on a GPU either)
     workers: tuple = ()  # rank 0 only: the spawned processes of ranks 1..N-1
     rendezvous_dir: str | None = None  # rank 0 only: the temporary directory of the file:// rendezvous
 
@@ -70,7 +75,7 @@ def init_tp(rank: int, world_size: int, init_method: str, device_type: str, time
         raise ConfigError(f"tensor parallelism runs on cuda or cpu, not {device_type!r}")
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **timeout)
-    return TPGroup(rank, world_size, device)
+    return TPGroup(rank, world_size, device, dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT))
 
 
 # ---- sharding --------------------------------------------------------------------------------------------------
@@ -227,7 +232,7 @@ class TPRunner:
             return attr
 
         def call(*args: Any) -> Any:
-            _broadcast(Plan(name, args, self.recording.take_log()))
+            _broadcast(self.group, Plan(name, args, self.recording.take_log()))
             return attr(*args)
 
         return call
@@ -241,13 +246,13 @@ class TPRunner:
 
     def between_steps(self, restore_layers: tuple[int, ...] | None) -> Any:
         """Restores commit only when every rank's copies are done, so all ranks leave fast mode together."""
-        _broadcast(Plan("between_steps", (restore_layers,), self.recording.take_log()))
+        _broadcast(self.group, Plan("between_steps", (restore_layers,), self.recording.take_log()))
         return _between_steps_all_ranks(self.runner, restore_layers)
 
     def on_every_rank(self, fn: Any, *args: Any) -> list[Any]:
         """``fn(runner, *args)`` on every rank (after the pool log so far); the results in rank order. For tests and
         debugging, which cannot reach the workers' state otherwise; ``fn`` must be importable by name."""
-        _broadcast(Plan("call", (fn, args), self.recording.take_log()))
+        _broadcast(self.group, Plan("call", (fn, args), self.recording.take_log()))
         return _call_and_gather(self.runner, fn, args, self.group.world_size)
 
 
@@ -279,17 +284,16 @@ def _call_and_gather(runner: Any, fn: Any, args: tuple, world_size: int) -> list
     return results
 
 
-def _broadcast(plan: Plan) -> None:
-    box = [plan]
-    dist.broadcast_object_list(box, src=0)
+def _broadcast(group: TPGroup, plan: Plan) -> None:
+    dist.broadcast_object_list([plan], src=0, group=group.plans)
 
 
-def worker_loop(runner: Any) -> None:
+def worker_loop(runner: Any, group: TPGroup) -> None:
     """Ranks 1..N-1: replay rank 0's plans until it shuts down."""
     pool = runner.pool.block_pool
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group.plans)
         plan: Plan = box[0]
         replay_pool_log(pool, plan.pool_log)
         if plan.method == "shutdown":
@@ -297,7 +301,7 @@ def worker_loop(runner: Any) -> None:
         if plan.method == "between_steps":
             _between_steps_all_ranks(runner, *plan.args)
         elif plan.method == "call":
-            _call_and_gather(runner, *plan.args, dist.get_world_size())
+            _call_and_gather(runner, *plan.args, group.world_size)
         elif plan.method == "run":
             runner.run(*plan.args, sample=False)
         else:
@@ -355,7 +359,7 @@ def _wait_until_joining(process: Any, receive: Any) -> None:
 def stop(group: TPGroup) -> None:
     """Rank 0: send the shutdown plan, leave the group, and reap the workers (terminating any that hang)."""
     try:
-        _broadcast(Plan("shutdown"))
+        _broadcast(group, Plan("shutdown"))
     except Exception as exc:  # a worker died or the group timed out; the reaping below ends whatever is left
         log.warning("tensor-parallel shutdown could not reach every worker: %s", exc)
     finally:
@@ -392,7 +396,7 @@ def worker_main(rank: int, world: int, init_method: str, config: Any, device_typ
         model = model.to(group.device)
         shard_model(model, group)
         runner = ModelRunner(config, model, group.device)
-        worker_loop(runner)
+        worker_loop(runner, group)
         if runner.pool.manager is not None:
             runner.pool.manager.close()
     finally:
