@@ -1,11 +1,13 @@
 """Tensor parallelism end to end on the CPU (gloo, one host VMM pool per rank): ``engine/tp.py`` had never run.
 
 TP=2 against TP=1 on tiny random models written to a model directory (every rank loads it):
-- static-fp16: greedy outputs of several requests equal token for token (Llama and Qwen3-MoE);
+- static-fp16: greedy outputs equal token for token (Llama and Qwen3-MoE), also through an abort and a preemption;
 - dps, forced full -> fast -> full: the request finishes, and every rank's residual bytes, clobbered by KV use while
   evicted, come back bit-exactly;
 - elastickv, forced demotion and promotion: every rank's KV of the promoted pairs is bit-exact, tokens equal TP=1's;
-- the workers exit cleanly (exit code 0) on ``engine.close()``.
+- every rank's Algorithm 1 books equal rank 0's afterwards, and the workers exit with code 0 on ``engine.close()``;
+- an engine idle for longer than the collective timeout keeps its workers (before, their wait for a plan timed out).
+Workers are reached through ``TPRunner.on_every_rank`` with the probes of ``tp_probes.py``.
 """
 
 from __future__ import annotations
@@ -89,22 +91,68 @@ def close_and_check_workers(engine) -> None:
     assert [w.exitcode for w in workers] == [0] * len(workers)
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-def test_static_fp16_tp2_equals_tp1(llama_dir, engines):
-    expected = [r.token_ids for r in engines(llama_dir, 1).generate(PROMPTS, GREEDY)]
-    engine = engines(llama_dir, 2)
-    results = engine.generate(PROMPTS, GREEDY)
-    assert [r.token_ids for r in results] == expected
-    assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks
-    close_and_check_workers(engine)
-
-
 def on_every_rank(engine, fn, *args) -> list:
     if engine.tp_group is None:
         return [fn(engine.runner, *args)]
     return engine.runner.on_every_rank(fn, *args)
+
+
+def assert_books_agree(engine) -> None:
+    books = on_every_rank(engine, tp_probes.books)
+    assert books == [books[0]] * len(books)
+
+
+class ScriptedPolicy:
+    """Demote every eligible pair, or promote every BASE pair, at the step after the test asks for it."""
+
+    def __init__(self) -> None:
+        self.demote_next = self.promote_next = False
+
+    def decide_pressure(self, obs):
+        wanted, self.demote_next = self.demote_next, False
+        return Decision(demote_pairs=obs.target_pairs_eligible) if wanted else NOOP
+
+    def decide_recovery(self, obs):
+        wanted, self.promote_next = self.promote_next, False
+        return Decision(promote_pairs=obs.base_pairs_promotable) if wanted else NOOP
+
+
+def pair_blocks(seq, pairs) -> list[int]:
+    return [seq.block_table[2 * p + half] for p in pairs for half in (0, 1)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def greedy_abort_and_preempt(engine) -> tuple[list, dict]:
+    """Greedy outputs of PROMPTS; then the same prompts with r1 aborted and only 8 free blocks, so that r0 and r2
+    cannot both finish without a preemption. Returns the tokens of both runs."""
+    greedy = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+    pool = engine.kv.pool
+    held = pool.allocate(pool.num_free(False) - 8, False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    seqs = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+        seqs[f"r{i}"] = engine.scheduler.find(f"r{i}")
+    engine.step()
+    engine.step()
+    assert engine.abort_request("r1")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["preemptions"] >= 1
+    pool.free(held)
+    assert pool.num_free(False) == pool.num_blocks
+    assert_books_agree(engine)
+    return greedy, {rid: seq.output_token_ids for rid, seq in seqs.items() if rid != "r1"}
+
+
+def test_static_fp16_tp2_equals_tp1(llama_dir, engines):
+    """Greedy, abort and preemption: token for token, and every rank's books equal rank 0's."""
+    expected = greedy_abort_and_preempt(engines(llama_dir, 1))
+    engine = engines(llama_dir, 2)
+    assert greedy_abort_and_preempt(engine) == expected
+    close_and_check_workers(engine)
 
 
 def test_dps_full_fast_full_switch_restores_every_ranks_residual(llama_dir, engines):
@@ -144,29 +192,11 @@ def test_dps_full_fast_full_switch_restores_every_ranks_residual(llama_dir, engi
         assert all(0 <= t < 211 for t in seq.output_token_ids)
         counts = engine.events.counts()
         assert counts["mode_fast"] == 1 and counts["mode_full"] >= 1 and counts["restore_done"] >= 1
+        assert_books_agree(engine)
         tokens[tp] = seq.output_token_ids
         if tp == 2:
             close_and_check_workers(engine)
     assert tokens[2][:2] == tokens[1][:2]  # steps 1 and 2 ran in full mode: exact fp16 weights on both
-
-
-class ScriptedPolicy:
-    """Demote every eligible pair, or promote every BASE pair, at the step after the test asks for it."""
-
-    def __init__(self) -> None:
-        self.demote_next = self.promote_next = False
-
-    def decide_pressure(self, obs):
-        wanted, self.demote_next = self.demote_next, False
-        return Decision(demote_pairs=obs.target_pairs_eligible) if wanted else NOOP
-
-    def decide_recovery(self, obs):
-        wanted, self.promote_next = self.promote_next, False
-        return Decision(promote_pairs=obs.base_pairs_promotable) if wanted else NOOP
-
-
-def pair_blocks(engine, seq, pairs) -> list[int]:
-    return [seq.block_table[2 * p + half] for p in pairs for half in (0, 1)]
 
 
 def test_elastickv_demote_promote_is_bit_exact_on_every_rank(llama_dir, engines):
@@ -182,7 +212,7 @@ def test_elastickv_demote_promote_is_bit_exact_on_every_rank(llama_dir, engines)
             engine.step()
         pairs = engine.kv.demotable_pairs(seq)
         assert len(pairs) >= 2
-        before = on_every_rank(engine, tp_probes.kv_blocks, pair_blocks(engine, seq, pairs))
+        before = on_every_rank(engine, tp_probes.kv_blocks, pair_blocks(seq, pairs))
         policy.demote_next = True
         engine.step()
         assert [seq.pair_states[p] for p in pairs] == [PairState.BASE] * len(pairs)
@@ -194,7 +224,7 @@ def test_elastickv_demote_promote_is_bit_exact_on_every_rank(llama_dir, engines)
             if all(s is PairState.TARGET for s in seq.pair_states):
                 break
         assert all(s is PairState.TARGET for s in seq.pair_states)
-        after = on_every_rank(engine, tp_probes.kv_blocks, pair_blocks(engine, seq, pairs))
+        after = on_every_rank(engine, tp_probes.kv_blocks, pair_blocks(seq, pairs))
         assert len(after) == tp and all(torch.equal(a, b) for a, b in zip(after, before))
         while engine.has_unfinished():
             engine.step()
@@ -202,6 +232,7 @@ def test_elastickv_demote_promote_is_bit_exact_on_every_rank(llama_dir, engines)
         counts = engine.events.counts()
         assert counts["demote"] == 1 and counts["promote_start"] == 1 and counts["promote_done"] == 1
         assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks
+        assert_books_agree(engine)
         tokens[tp] = seq.output_token_ids
         if tp == 2:
             close_and_check_workers(engine)

@@ -10,6 +10,14 @@ def kv_heads(runner) -> int:
     return runner.kv_cache.shape[3]
 
 
+def books(runner) -> tuple:
+    """This rank's Algorithm 1 books: which set each unit is in, free blocks, fast layers (checked consistent)."""
+    state = runner.pool.block_pool.state
+    state.check_invariants()
+    units = tuple(state.set_of(u) for u in range(state.num_units))
+    return units, state.num_free_blocks(True), state.num_free_blocks(False), tuple(sorted(state.fast_layers))
+
+
 def kv_blocks(runner, blocks: list[int]) -> torch.Tensor:
     return runner.kv_cache[blocks].clone()
 
