@@ -1,11 +1,9 @@
 """Tensor parallelism: one process per device over ``torch.distributed`` (``--tensor-parallel-size N``): NCCL with one
 GPU per rank, gloo on the CPU (each rank then a host VMM pool of its own, which is how CI runs it end to end).
 
-Sharding (Megatron style): ``qkv_proj`` and ``gate_up_proj`` are column-parallel (each rank keeps its heads / its
-slice of the intermediate size, fused halves sharded separately), ``o_proj`` and ``down_proj`` are row-parallel and
-followed by an all-reduce; MoE experts shard their intermediate dimension the same way and the block output is
-all-reduced. Embeddings, norms, the router and ``lm_head`` stay replicated (every rank computes full logits; only
-rank 0 samples). Each rank owns its KV pool and SUM shared region for its own heads and weight shards.
+Sharding (Megatron style, ``tp_sharding.py``): attention heads and MLP / expert intermediate slices per rank, an
+all-reduce after each row-parallel projection. Each rank owns its KV pool and SUM shared region for its own heads and
+weight shards.
 
 Rank 0 runs the scheduler, the KV manager and control. Everything that touches a device goes through
 ``TPRunner``, which broadcasts each call (a ``Plan``) before doing it locally, and every other rank replays the same
@@ -30,9 +28,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from elastiserve.engine.errors import EngineError
+from elastiserve.engine.tp_sharding import shard_model
 from elastiserve.platforms import ConfigError
 
 log = logging.getLogger(__name__)
@@ -58,10 +56,6 @@ class TPGroup:
     workers: tuple = ()  # rank 0 only: the spawned processes of ranks 1..N-1
     rendezvous_dir: str | None = None  # rank 0 only: the temporary directory of the file:// rendezvous
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
 
 def init_tp(rank: int, world_size: int, init_method: str, device_type: str, timeout_s: float | None) -> TPGroup:
     """Join the group: NCCL with GPU ``rank`` on CUDA, gloo on the CPU. ``init_method`` is the launcher's URL;
@@ -76,87 +70,6 @@ def init_tp(rank: int, world_size: int, init_method: str, device_type: str, time
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **timeout)
     return TPGroup(rank, world_size, device, dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT))
-
-
-# ---- sharding --------------------------------------------------------------------------------------------------
-class AllReduce(nn.Module):
-    """Wraps a row-parallel module: each rank holds a partial sum, the all-reduce completes it (graph-capturable)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x)
-        dist.all_reduce(out)
-        return out
-
-
-def _rows(weight: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
-    """Concatenate this rank's slice of each fused segment (segment ``i`` has ``sizes[i]`` rows)."""
-    parts, start = [], 0
-    for size in sizes:
-        if size % world:
-            raise ConfigError(f"a fused segment of {size} rows does not split over {world} ranks")
-        shard = size // world
-        parts.append(weight[start + rank * shard : start + (rank + 1) * shard])
-        start += size
-    return torch.cat(parts)
-
-
-def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                       dtype=weight.dtype)  # fmt: skip
-    linear.weight.data.copy_(weight)
-    if bias is not None:
-        linear.bias.data.copy_(bias)
-    return linear.requires_grad_(False)
-
-
-def shard_model(model: nn.Module, group: TPGroup) -> None:
-    """Shard a loaded (not yet nested) ``CausalLM`` in place for ``group``; the runner nests the shards after."""
-    rank, world = group.rank, group.world_size
-    config = model.config
-    if config.num_attention_heads % world or config.num_key_value_heads % world:
-        raise ConfigError(f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads do not "
-                          f"split over tensor_parallel_size={world}")  # fmt: skip
-    for layer in model.decoder_layers:
-        attn = layer.self_attn
-        qkv = attn.qkv_proj
-        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        bias = _rows(qkv.bias, sizes, rank, world) if qkv.bias is not None else None
-        attn.qkv_proj = _linear_from(_rows(qkv.weight, sizes, rank, world), bias)
-        attn.num_heads //= world
-        attn.num_kv_heads //= world
-        attn.q_size //= world
-        attn.kv_size //= world
-        o = attn.o_proj
-        attn.o_proj = AllReduce(_linear_from(o.weight[:, rank * attn.q_size : (rank + 1) * attn.q_size], None))
-        mlp = layer.mlp
-        if hasattr(mlp, "gate_up_proj"):
-            inter = mlp.down_proj.in_features
-            mlp.gate_up_proj = _linear_from(_rows(mlp.gate_up_proj.weight, [inter, inter], rank, world), None)
-            shard = inter // world
-            mlp.down_proj = AllReduce(_linear_from(mlp.down_proj.weight[:, rank * shard : (rank + 1) * shard], None))
-        else:
-            _shard_experts(layer, mlp, rank, world)
-    # The KV pool is sized from the model config: each rank stores only its KV heads.
-    model.config = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world,
-                                       num_key_value_heads=config.num_key_value_heads // world)  # fmt: skip
-
-
-def _shard_experts(layer: nn.Module, moe: nn.Module, rank: int, world: int) -> None:
-    inter = moe.w_down.shape[2]
-    if inter % world:
-        raise ConfigError(f"expert intermediate size {inter} does not split over {world} ranks")
-    shard = inter // world
-    gate_up = moe.w_gate_up.data
-    gate = gate_up[:, rank * shard : (rank + 1) * shard]
-    up = gate_up[:, inter + rank * shard : inter + (rank + 1) * shard]
-    moe.w_gate_up = nn.Parameter(torch.cat([gate, up], dim=1).contiguous(), requires_grad=False)
-    moe.w_down = nn.Parameter(moe.w_down.data[:, :, rank * shard : (rank + 1) * shard].contiguous(),
-                              requires_grad=False)  # fmt: skip
-    layer.mlp = AllReduce(moe)
 
 
 # ---- the step plan ---------------------------------------------------------------------------------------------
@@ -218,6 +131,7 @@ class TPRunner:
     """Rank 0's stand-in for ``ModelRunner``: broadcast each device call, then make it locally."""
 
     BROADCAST = ("run", "demote", "start_promote", "set_fast_layers", "release_request", "warm_up")
+    OWN = ("runner", "group", "pool", "recording")
 
     def __init__(self, runner: Any, group: TPGroup) -> None:
         self.runner = runner
@@ -225,6 +139,14 @@ class TPRunner:
         self.pool = runner.pool
         self.recording = RecordingPool(runner.pool.block_pool)
         runner.pool.block_pool = self.recording
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The engine writes runner attributes too (``graphs = None`` on close, ``forced_fast_layers``): they must
+        # reach the real runner, or close() would leave rank 0's CUDA graphs and their memory pool alive.
+        if name in self.OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.runner, name, value)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.runner, name)
