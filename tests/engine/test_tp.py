@@ -266,3 +266,24 @@ def test_idle_engine_keeps_its_workers(llama_dir, engines):
     results = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(results[0].token_ids) == 3
     close_and_check_workers(engine)
+
+
+def test_failed_startup_leaves_no_worker_or_group_behind(tmp_path, llama_dir, engines):
+    """One KV head cannot split over two ranks: every rank raises while sharding. The engine must stop its workers and
+    leave the process group, so that the next engine starts."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from elastiserve.platforms import ConfigError
+
+    config = transformers.LlamaConfig(
+        architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="do not split over tensor_parallel_size=2"):
+        engines(write_model_dir(tmp_path, config, seed=0), 2)
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+    engine = engines(llama_dir, 2)
+    assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    close_and_check_workers(engine)
