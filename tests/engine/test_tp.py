@@ -261,17 +261,19 @@ def test_moe_static_fp16_tp2_equals_tp1(moe_dir, engines):
 def test_idle_engine_keeps_its_workers(llama_dir, engines):
     """Workers wait for plans as long as the engine idles: before, an engine idle for longer than the collective
     timeout lost its workers (the wait for the next plan timed out)."""
-    engine = engines(llama_dir, 2, tp_timeout_s=3.0)
-    time.sleep(4.0)
+    engine = engines(llama_dir, 2, tp_timeout_s=2.0)
+    time.sleep(3.0)  # engine setup ended with a plan the worker received: it is waiting for the next one now
     results = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(results[0].token_ids) == 3
     close_and_check_workers(engine)
 
 
-def test_failed_startup_leaves_no_worker_or_group_behind(tmp_path, llama_dir, engines):
-    """One KV head cannot split over two ranks: every rank raises while sharding. The engine must stop its workers and
-    leave the process group, so that the next engine starts."""
+def test_failed_startup_leaves_no_worker_or_group_behind(tmp_path, engines):
+    """One KV head cannot split over two ranks: every rank raises while sharding. The engine must reap its workers,
+    leave the process group and remove its rendezvous directory, or the next engine could not start."""
+    import glob
     import multiprocessing
+    import tempfile
 
     import torch.distributed as dist
 
@@ -281,9 +283,9 @@ def test_failed_startup_leaves_no_worker_or_group_behind(tmp_path, llama_dir, en
         architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
     )  # fmt: skip
+    rendezvous = f"{tempfile.gettempdir()}/elastiserve-tp-*"
+    before = set(glob.glob(rendezvous))
     with pytest.raises(ConfigError, match="do not split over tensor_parallel_size=2"):
         engines(write_model_dir(tmp_path, config, seed=0), 2)
     assert not dist.is_initialized() and not multiprocessing.active_children()
-    engine = engines(llama_dir, 2)
-    assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
-    close_and_check_workers(engine)
+    assert set(glob.glob(rendezvous)) == before
