@@ -158,10 +158,10 @@ def test_static_fp16_tp2_equals_tp1(llama_dir, engines):
 def test_dps_full_fast_full_switch_restores_every_ranks_residual(llama_dir, engines):
     from scripted_policies import EvictThenRestore
 
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for tp in (1, 2):
-        engine = engines(llama_dir, tp, policy="dps", scripted=EvictThenRestore(evict_at=3, restore_from=5))
+        engine = engines(llama_dir, tp, policy="dps", scripted=EvictThenRestore(evict_at=3, restore_from=4))
         assert on_every_rank(engine, tp_probes.kv_heads) == [2 // tp] * tp
         lower_before = on_every_rank(engine, tp_probes.lower_planes)
         assert all(lower_before)
@@ -187,8 +187,8 @@ def test_dps_full_fast_full_switch_restores_every_ranks_residual(llama_dir, engi
                 assert torch.equal(now[name], plane), name
         while engine.has_unfinished():
             engine.step()
-        assert seq.num_output_tokens == 8 and seq.metrics.preemptions == 0
-        assert 0 < seq.metrics.fast_mode_tokens < 8
+        assert seq.num_output_tokens == 6 and seq.metrics.preemptions == 0
+        assert 0 < seq.metrics.fast_mode_tokens < 6
         assert all(0 <= t < 211 for t in seq.output_token_ids)
         counts = engine.events.counts()
         assert counts["mode_fast"] == 1 and counts["mode_full"] >= 1 and counts["restore_done"] >= 1
