@@ -26,6 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     policy: str = "static-fp16"
     tensor_parallel_size: int = 1
+    tp_timeout_s: float | None = None  # TP rendezvous and collectives fail after this long; None: torch's default
     load_format: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
@@ -45,7 +46,7 @@ class EngineConfig:
             raise ConfigError(f"block_size={self.block_size}: expected a power of two")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a value in (0, 1]")
-        for name in ("gpu_memory_budget", "kv_cache_budget", "host_backing_bytes", "max_model_len"):
+        for name in ("gpu_memory_budget", "kv_cache_budget", "host_backing_bytes", "max_model_len", "tp_timeout_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value}: expected a positive number or None")

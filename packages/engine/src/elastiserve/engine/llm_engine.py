@@ -23,6 +23,7 @@ from elastiserve.engine.runner import ModelRunner
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
+from elastiserve.platforms import ConfigError
 
 __all__ = ["CompletionResult", "LLMEngine", "RequestOutput"]
 
@@ -39,21 +40,34 @@ class LLMEngine:
     ) -> None:
         """``model``/``tokenizer`` override the loader (tests); ``policy`` overrides the control preset
         (any object with ``decide_pressure(obs)`` and ``decide_recovery(obs)`` returning a ``Decision``)."""
-        from elastiserve.control.events import EventLog
-
         self.config = config
         self.device = _resolve_device(config.device)
+        self.tp_group = None
+        if config.tensor_parallel_size > 1:
+            if model is not None:
+                raise ConfigError("tensor parallelism loads the model in every rank from config.model: pass no model")
+            from elastiserve.engine import tp
+
+            self.tp_group = tp.start(config, self.device)  # spawns ranks 1..N-1, joins the group as rank 0
+            self.device = self.tp_group.device
+        try:
+            self._build(model, tokenizer, policy, eos_token_ids)
+        except BaseException:
+            self.shutdown()  # the workers wait for plans that will never come
+            raise
+
+    def _build(self, model, tokenizer, policy, eos_token_ids) -> None:
+        from elastiserve.control.events import EventLog
+
+        config = self.config
         hf_config: dict = {}
         if model is None:
             from elastiserve.engine.loader import load_model
 
             model, hf_config, tokenizer = load_model(config)
-        self.tp_group = None
-        if config.tensor_parallel_size > 1:
+        if self.tp_group is not None:
             from elastiserve.engine import tp
 
-            self.tp_group = tp.start(config)  # spawns ranks 1..N-1, joins the group as rank 0
-            self.device = self.tp_group.device
             tp.shard_model(model.to(self.device), self.tp_group)
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
@@ -300,10 +314,12 @@ class LLMEngine:
             self.events.add(now, self.step_count, "mode_full", len(left))
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (a no-op on one GPU)."""
+        """Stop tensor-parallel workers (a no-op on one device)."""
         if self.tp_group is not None:
-            self.runner.shutdown()
-            self.tp_group = None
+            from elastiserve.engine import tp
+
+            group, self.tp_group = self.tp_group, None
+            tp.stop(group)
 
     def close(self) -> None:
         """Give back the VMM ranges and units (garbage collection does not) so another engine can take the memory."""

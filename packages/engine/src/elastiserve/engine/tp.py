@@ -1,10 +1,9 @@
-"""Tensor parallelism: one process per GPU over ``torch.distributed`` NCCL (``--tensor-parallel-size N``).
+"""Tensor parallelism: one process per device over ``torch.distributed`` (``--tensor-parallel-size N``): NCCL with one
+GPU per rank, gloo on the CPU (each rank then a host VMM pool of its own, which is how CI runs it end to end).
 
-Sharding (Megatron style): ``qkv_proj`` and ``gate_up_proj`` are column-parallel (each rank keeps its heads / its
-slice of the intermediate size, fused halves sharded separately), ``o_proj`` and ``down_proj`` are row-parallel and
-followed by an all-reduce; MoE experts shard their intermediate dimension the same way and the block output is
-all-reduced. Embeddings, norms, the router and ``lm_head`` stay replicated (every rank computes full logits; only
-rank 0 samples). Each rank owns its KV pool and SUM shared region for its own heads and weight shards.
+Sharding (Megatron style, ``tp_sharding.py``): attention heads and MLP / expert intermediate slices per rank, an
+all-reduce after each row-parallel projection. Each rank owns its KV pool and SUM shared region for its own heads and
+weight shards.
 
 Rank 0 runs the scheduler, the KV manager and control. Everything that touches a device goes through
 ``TPRunner``, which broadcasts each call (a ``Plan``) before doing it locally, and every other rank replays the same
@@ -18,17 +17,33 @@ This module is isolated on purpose: nothing imports it unless ``tensor_parallel_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from elastiserve.engine.errors import EngineError
+from elastiserve.engine.tp_sharding import shard_model
 from elastiserve.platforms import ConfigError
 
 log = logging.getLogger(__name__)
+
+REAP_TIMEOUT_S = 30.0  # how long rank 0 waits for the workers to exit after the shutdown plan before terminating them
+# Workers wait for the next plan as long as the engine idles, so plans get a group of their own without a practical
+# timeout: on the default group an engine idle for tp_timeout_s (torch's default: 10 min NCCL, 30 min gloo) killed
+# its workers. A rank that dies still fails the wait at once (the connection closes).
+PLAN_TIMEOUT = timedelta(days=365)
+
+
+class TPError(EngineError):
+    """The ranks fell out of step: a worker died before joining, its books diverged from rank 0's, or a probe failed."""
 
 
 # ---- process group ---------------------------------------------------------------------------------------------
@@ -37,104 +52,24 @@ class TPGroup:
     rank: int
     world_size: int
     device: torch.device
-
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
-
-def init_tp(rank: int, world_size: int, init_method: str) -> TPGroup:
-    """Join the NCCL group; ``init_method`` is a ``tcp://host:port`` or ``file://`` URL chosen by the launcher."""
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size)
-    return TPGroup(rank, world_size, torch.device("cuda", rank))
+    plans: Any = None  # the gloo group plans travel on (CPU objects: no device sync per plan on a GPU either)
+    workers: tuple = ()  # rank 0 only: the spawned processes of ranks 1..N-1
+    rendezvous_dir: str | None = None  # rank 0 only: the temporary directory of the file:// rendezvous
 
 
-# ---- sharding --------------------------------------------------------------------------------------------------
-class AllReduce(nn.Module):
-    """Wraps a row-parallel module: each rank holds a partial sum, the all-reduce completes it (graph-capturable)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x)
-        dist.all_reduce(out)
-        return out
-
-
-def _rows(weight: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
-    """Concatenate this rank's slice of each fused segment (segment ``i`` has ``sizes[i]`` rows)."""
-    parts, start = [], 0
-    for size in sizes:
-        if size % world:
-            raise ConfigError(f"a fused segment of {size} rows does not split over {world} ranks")
-        shard = size // world
-        parts.append(weight[start + rank * shard : start + (rank + 1) * shard])
-        start += size
-    return torch.cat(parts)
-
-
-def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                       dtype=weight.dtype)  # fmt: skip
-    linear.weight.data.copy_(weight)
-    if bias is not None:
-        linear.bias.data.copy_(bias)
-    return linear.requires_grad_(False)
-
-
-def shard_model(model: nn.Module, group: TPGroup) -> None:
-    """Shard a loaded (not yet nested) ``CausalLM`` in place for ``group``; the runner nests the shards after."""
-    rank, world = group.rank, group.world_size
-    config = model.config
-    if config.num_attention_heads % world or config.num_key_value_heads % world:
-        raise ConfigError(f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads do not "
-                          f"split over tensor_parallel_size={world}")  # fmt: skip
-    for layer in model.decoder_layers:
-        attn = layer.self_attn
-        qkv = attn.qkv_proj
-        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        bias = _rows(qkv.bias, sizes, rank, world) if qkv.bias is not None else None
-        attn.qkv_proj = _linear_from(_rows(qkv.weight, sizes, rank, world), bias)
-        attn.num_heads //= world
-        attn.num_kv_heads //= world
-        attn.q_size //= world
-        attn.kv_size //= world
-        o = attn.o_proj
-        attn.o_proj = AllReduce(_linear_from(o.weight[:, rank * attn.q_size : (rank + 1) * attn.q_size], None))
-        mlp = layer.mlp
-        if hasattr(mlp, "gate_up_proj"):
-            inter = mlp.down_proj.in_features
-            mlp.gate_up_proj = _linear_from(_rows(mlp.gate_up_proj.weight, [inter, inter], rank, world), None)
-            shard = inter // world
-            mlp.down_proj = AllReduce(_linear_from(mlp.down_proj.weight[:, rank * shard : (rank + 1) * shard], None))
-        else:
-            _shard_experts(layer, mlp, rank, world)
-    # The KV pool is sized from the model config: each rank stores only its KV heads.
-    model.config = _replace_config(config, num_attention_heads=config.num_attention_heads // world,
-                                   num_key_value_heads=config.num_key_value_heads // world)  # fmt: skip
-
-
-def _shard_experts(layer: nn.Module, moe: nn.Module, rank: int, world: int) -> None:
-    inter = moe.w_down.shape[2]
-    if inter % world:
-        raise ConfigError(f"expert intermediate size {inter} does not split over {world} ranks")
-    shard = inter // world
-    gate_up = moe.w_gate_up.data
-    gate = gate_up[:, rank * shard : (rank + 1) * shard]
-    up = gate_up[:, inter + rank * shard : inter + (rank + 1) * shard]
-    moe.w_gate_up = nn.Parameter(torch.cat([gate, up], dim=1).contiguous(), requires_grad=False)
-    moe.w_down = nn.Parameter(moe.w_down.data[:, :, rank * shard : (rank + 1) * shard].contiguous(),
-                              requires_grad=False)  # fmt: skip
-    layer.mlp = AllReduce(moe)
-
-
-def _replace_config(config: Any, **changes: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
+def init_tp(rank: int, world_size: int, init_method: str, device_type: str, timeout_s: float | None) -> TPGroup:
+    """Join the group: NCCL with GPU ``rank`` on CUDA, gloo on the CPU. ``init_method`` is the launcher's URL;
+    ``timeout_s`` bounds the rendezvous and every collective (None: torch's default)."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        backend, device = "nccl", torch.device("cuda", rank)
+    elif device_type == "cpu":
+        backend, device = "gloo", torch.device("cpu")
+    else:
+        raise ConfigError(f"tensor parallelism runs on cuda or cpu, not {device_type!r}")
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **timeout)
+    return TPGroup(rank, world_size, device, dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT))
 
 
 # ---- the step plan ---------------------------------------------------------------------------------------------
@@ -185,7 +120,7 @@ def replay_pool_log(pool: Any, entries: list[tuple]) -> None:
             _, n, allow_backed, expected = entry
             got = pool.allocate(n, allow_backed)
             if tuple(got or ()) != expected:
-                raise RuntimeError(f"tensor-parallel books diverged: allocate({n}) gave {got}, rank 0 {expected}")
+                raise TPError(f"tensor-parallel books diverged: allocate({n}) gave {got}, rank 0 {expected}")
         elif entry[0] == "free":
             pool.free(list(entry[1]))
         elif entry[0] == "evict":
@@ -196,6 +131,7 @@ class TPRunner:
     """Rank 0's stand-in for ``ModelRunner``: broadcast each device call, then make it locally."""
 
     BROADCAST = ("run", "demote", "start_promote", "set_fast_layers", "release_request", "warm_up")
+    OWN = ("runner", "group", "pool", "recording")
 
     def __init__(self, runner: Any, group: TPGroup) -> None:
         self.runner = runner
@@ -204,13 +140,21 @@ class TPRunner:
         self.recording = RecordingPool(runner.pool.block_pool)
         runner.pool.block_pool = self.recording
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The engine writes runner attributes too (``graphs = None`` on close, ``forced_fast_layers``): they must
+        # reach the real runner, or close() would leave rank 0's CUDA graphs and their memory pool alive.
+        if name in self.OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.runner, name, value)
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.runner, name)
         if name not in self.BROADCAST:
             return attr
 
         def call(*args: Any) -> Any:
-            _broadcast(Plan(name, args, self.recording.take_log()))
+            _broadcast(self.group, Plan(name, args, self.recording.take_log()))
             return attr(*args)
 
         return call
@@ -224,12 +168,14 @@ class TPRunner:
 
     def between_steps(self, restore_layers: tuple[int, ...] | None) -> Any:
         """Restores commit only when every rank's copies are done, so all ranks leave fast mode together."""
-        _broadcast(Plan("between_steps", (restore_layers,), self.recording.take_log()))
+        _broadcast(self.group, Plan("between_steps", (restore_layers,), self.recording.take_log()))
         return _between_steps_all_ranks(self.runner, restore_layers)
 
-    def shutdown(self) -> None:
-        _broadcast(Plan("shutdown"))
-        dist.destroy_process_group()
+    def on_every_rank(self, fn: Any, *args: Any) -> list[Any]:
+        """``fn(runner, *args)`` on every rank (after the pool log so far); the results in rank order. For tests and
+        debugging, which cannot reach the workers' state otherwise; ``fn`` must be importable by name."""
+        _broadcast(self.group, Plan("call", (fn, args), self.recording.take_log()))
+        return _call_and_gather(self.runner, fn, args, self.group.world_size)
 
 
 def _between_steps_all_ranks(runner: Any, restore_layers: tuple[int, ...] | None) -> Any:
@@ -246,24 +192,38 @@ def _no_report() -> Any:
     return StepReport((), (), 0)
 
 
-def _broadcast(plan: Plan) -> None:
-    box = [plan]
-    dist.broadcast_object_list(box, src=0)
+def _call_and_gather(runner: Any, fn: Any, args: tuple, world_size: int) -> list[Any] | None:
+    try:
+        result = fn(runner, *args)
+    except Exception as exc:  # still gathered, so a failing probe cannot leave the other ranks waiting
+        result = exc
+    results = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(result, results, dst=0)
+    if results is not None:
+        for rank, item in enumerate(results):
+            if isinstance(item, Exception):
+                raise TPError(f"{fn.__name__} failed on tensor-parallel rank {rank}") from item
+    return results
 
 
-def worker_loop(runner: Any) -> None:
+def _broadcast(group: TPGroup, plan: Plan) -> None:
+    dist.broadcast_object_list([plan], src=0, group=group.plans)
+
+
+def worker_loop(runner: Any, group: TPGroup) -> None:
     """Ranks 1..N-1: replay rank 0's plans until it shuts down."""
     pool = runner.pool.block_pool
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group.plans)
         plan: Plan = box[0]
         replay_pool_log(pool, plan.pool_log)
         if plan.method == "shutdown":
-            dist.destroy_process_group()
             return
         if plan.method == "between_steps":
             _between_steps_all_ranks(runner, *plan.args)
+        elif plan.method == "call":
+            _call_and_gather(runner, *plan.args, group.world_size)
         elif plan.method == "run":
             runner.run(*plan.args, sample=False)
         else:
@@ -272,33 +232,94 @@ def worker_loop(runner: Any) -> None:
 
 
 # ---- launching -------------------------------------------------------------------------------------------------
-def start(config: Any) -> TPGroup:
+def start(config: Any, device: torch.device) -> TPGroup:
     """Spawn ranks 1..N-1 (each loads, shards and serves its part) and join the group as rank 0."""
-    import socket
-
     import torch.multiprocessing as mp
 
     world = config.tensor_parallel_size
-    if torch.cuda.device_count() < world:
+    if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ConfigError(f"tensor_parallel_size={world} but only {torch.cuda.device_count()} GPUs are visible")
-    with socket.socket() as s:  # a free local port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_method = f"tcp://127.0.0.1:{port}"
+    rendezvous = tempfile.mkdtemp(prefix="elastiserve-tp-")  # a fresh file store: no port to race for
+    init_method = f"file://{rendezvous}/store"
     ctx = mp.get_context("spawn")
-    for rank in range(1, world):
-        ctx.Process(target=worker_main, args=(rank, world, init_method, config), daemon=True).start()
-    return init_tp(0, world, init_method)
+    workers, joining = [], []
+    try:
+        for rank in range(1, world):
+            receive, send = ctx.Pipe(duplex=False)
+            args = (rank, world, init_method, config, device.type, send)
+            process = ctx.Process(target=worker_main, args=args, name=f"elastiserve-tp{rank}", daemon=True)
+            process.start()
+            send.close()  # the worker holds the only write end now: its exit reads as EOF
+            workers.append(process)
+            joining.append(receive)
+        for process, receive in zip(workers, joining):
+            _wait_until_joining(process, receive)
+        group = init_tp(0, world, init_method, device.type, config.tp_timeout_s)
+    except BaseException:
+        _reap(workers, timeout_s=0.0)
+        shutil.rmtree(rendezvous, ignore_errors=True)
+        raise
+    finally:
+        for receive in joining:
+            receive.close()
+    return dataclasses.replace(group, workers=tuple(workers), rendezvous_dir=rendezvous)
 
 
-def worker_main(rank: int, world: int, init_method: str, config: Any) -> None:
+def _wait_until_joining(process: Any, receive: Any) -> None:
+    """A worker that dies before the rendezvous (an import error, a script without a ``__main__`` guard re-run by
+    spawn) would leave rank 0 waiting there until the timeout: fail now with its exit code instead."""
+    try:
+        receive.recv()
+    except EOFError:
+        process.join()
+        raise TPError(
+            f"tensor-parallel worker {process.name} exited with code {process.exitcode} before joining "
+            "the group (its traceback is on stderr)"
+        ) from None
+
+
+def stop(group: TPGroup) -> None:
+    """Rank 0: send the shutdown plan, leave the group, and reap the workers (terminating any that hang)."""
+    try:
+        _broadcast(group, Plan("shutdown"))
+    except Exception as exc:  # a worker died or the group timed out; the reaping below ends whatever is left
+        log.warning("tensor-parallel shutdown could not reach every worker: %s", exc)
+    finally:
+        dist.destroy_process_group()
+        _reap(group.workers, REAP_TIMEOUT_S)
+        if group.rendezvous_dir is not None:
+            shutil.rmtree(group.rendezvous_dir, ignore_errors=True)
+
+
+def _reap(workers: list | tuple, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for process in workers:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in workers:
+        if process.is_alive():
+            log.warning("tensor-parallel worker %s (pid %d) did not exit: terminating it", process.name, process.pid)
+            process.terminate()
+            process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def worker_main(rank: int, world: int, init_method: str, config: Any, device_type: str, joining: Any) -> None:
     """Entry point of ranks 1..N-1: the same model load, shard and runner as rank 0, then replay its plans."""
     from elastiserve.engine.loader import load_model
     from elastiserve.engine.runner import ModelRunner
 
-    group = init_tp(rank, world, init_method)
-    model, _, _ = load_model(config)
-    model = model.to(group.device)
-    shard_model(model, group)
-    runner = ModelRunner(config, model, group.device)
-    worker_loop(runner)
+    joining.send(rank)
+    joining.close()
+    group = init_tp(rank, world, init_method, device_type, config.tp_timeout_s)
+    try:
+        model, _, _ = load_model(config)
+        model = model.to(group.device)
+        shard_model(model, group)
+        runner = ModelRunner(config, model, group.device)
+        worker_loop(runner, group)
+        if runner.pool.manager is not None:
+            runner.pool.manager.close()
+    finally:
+        dist.destroy_process_group()
