@@ -135,6 +135,10 @@ def bench_decode(shape: DecodeShape, device, num_splits: int = 0) -> list[Row]:
         ("structured_15", paged(mixed, 1, bounds), int(kv_bytes * (1 - base_share / 2)),
          f"path 1, {base_share:.1%} of tokens BASE"),
         ("general_15", paged(mixed, 2, modes=pair_mode), int(kv_bytes * (1 - base_share / 2)), "path 2, same layout"),
+        ("all_base_split", paged(all_base, 3, torch.tensor([[0, 1 << 30]] * shape.batch, dtype=torch.int32,
+                                                           device=device)), kv_bytes // 2, "path 3, every pair BASE"),
+        ("structured_15_split", paged(mixed, 3, bounds), int(kv_bytes * (1 - base_share / 2)),
+         "path 3 (two launches), same layout as structured_15"),
     ]  # fmt: skip
     for name, fn, nbytes, note in cases:
         med, p20, p80 = graph_time_us(fn, shape.layers)
@@ -200,6 +204,8 @@ def main() -> None:
         "all_base_speedup_vs_native": by_case["native"] / by_case["all_base"],
         "structured_15_speedup_vs_native": by_case["native"] / by_case["structured_15"],
         "general_over_structured_time": by_case["general_15"] / by_case["structured_15"],
+        "all_base_split_speedup_vs_native": by_case["native"] / by_case["all_base_split"],
+        "structured_15_split_speedup_vs_native": by_case["native"] / by_case["structured_15_split"],
         "demote_vs_copy_bandwidth": by_case["d2d_copy"] / by_case["kv_demote"],
     }
     for key, value in ratios.items():

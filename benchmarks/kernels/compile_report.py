@@ -89,11 +89,12 @@ def attention_report(arch: int) -> list[dict]:
                   "qsl_ptr": "*i32", "bounds_ptr": "*i32", "pm_ptr": "*u8", "part_acc_ptr": "*fp32",
                   "part_ml_ptr": "*fp32", "qk_scale": "fp32"})
     rows = []
-    for path, base_pairs in ((0, attention.BASE_PAIRS_PER_TILE), (1, attention.BASE_PAIRS_PER_TILE), (1, 2),
-                             (2, attention.BASE_PAIRS_PER_TILE)):
+    base = attention.BASE_PAIRS_PER_TILE
+    for path, base_pairs in ((0, base), (1, base), (1, 2), (2, base), (3, base), (4, base), (4, 2)):  # 3, 4: split
         const = {"BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 4, "BLOCK_D": 128,
                  "PAIRS": attention.TARGET_PAIRS_PER_TILE, "BASE_PAIRS": base_pairs, "PATH": path, "NUM_SPLITS": 4,
-                 "INTERPRETED": False}
+                 "INTERPRETED": False, "PARTIALS": True, "TOTAL_SPLITS": 8 if path >= 3 else 4,
+                 "SPLIT_BASE": 4 if path == 4 else 0}
         kernel = compile_kernel(fn, types, const, attention.NUM_WARPS, attention.NUM_STAGES, arch)
         row = {"kernel": "paged_attention", "path": path, "base_pairs": base_pairs,
                **facts(kernel, arch, 32 * attention.NUM_WARPS)}

@@ -17,6 +17,7 @@ from elastiserve.kernels.attention_plan import (
     GENERAL,
     NATIVE,
     STRUCTURED,
+    STRUCTURED_SPLIT,
     AttentionPlanBuffers,
     AttentionPlanConfig,
     plan_attention,
@@ -66,7 +67,7 @@ def test_kernel_equals_reference(device, name, path):
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("path", [STRUCTURED, GENERAL])
+@pytest.mark.parametrize("path", [STRUCTURED, GENERAL, STRUCTURED_SPLIT])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_kv_splits_equal_reference(device, path, num_splits):
     # 300 tokens = 19 blocks = 10 pairs; 3 splits of 4 pairs put split edges inside the BASE run 3..6.
@@ -75,6 +76,17 @@ def test_decode_kv_splits_equal_reference(device, path, num_splits):
     expected = run_attention(batch, path, bounds, modes, ref=True)
     got = run_attention(batch, path, bounds, modes, num_splits=num_splits)
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["structured", "all_base", "all_target", "prefill"])
+def test_split_launch_structured_path_equals_one_launch(device, name):
+    """Path 3 reads path 1's layout in two launches (TARGET ranges, BASE run) merged as KV splits; prefill tiles
+    fall back to path 1. Both must give the reference's result."""
+    batch = build_batch(device, **SCENARIOS[name])
+    _, bounds, modes = metadata(batch, device, STRUCTURED)
+    expected = run_attention(batch, STRUCTURED, bounds, modes, ref=True)
+    torch.testing.assert_close(run_attention(batch, STRUCTURED_SPLIT, bounds, modes), expected, atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(run_attention(batch, STRUCTURED_SPLIT, bounds, modes, ref=True), expected)
 
 
 def test_plan_chooses_path_and_fills_buffers(device):

@@ -9,12 +9,12 @@ import torch
 from attention_cases import LAYER, build_batch, metadata, run_attention
 
 from elastiserve.kernels.attention import paged_attention
-from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED
+from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, STRUCTURED_SPLIT
 
 pytestmark = [pytest.mark.cuda]
 
 
-@pytest.mark.parametrize("path", [NATIVE, STRUCTURED, GENERAL])
+@pytest.mark.parametrize("path", [NATIVE, STRUCTURED, GENERAL, STRUCTURED_SPLIT])
 def test_cuda_graph_decode_replays_with_new_metadata(path):
     device = torch.device("cuda")
     base = [[], [1, 2], [0]] if path != NATIVE else [[], [], []]
@@ -44,11 +44,12 @@ def test_cuda_graph_decode_replays_with_new_metadata(path):
 REAL_SIZE_BASE = {
     NATIVE: [[], [], [], []],
     STRUCTURED: [list(range(10, 40)), list(range(0, 31)), [5, 6, 7], []],
+    STRUCTURED_SPLIT: [list(range(10, 40)), list(range(0, 31)), [5, 6, 7], []],
     GENERAL: [list(range(10, 40)), [0, 3, 4, 30], [5, 7, 9], []],
 }
 
 
-@pytest.mark.parametrize("path", [NATIVE, STRUCTURED, GENERAL])
+@pytest.mark.parametrize("path", [NATIVE, STRUCTURED, GENERAL, STRUCTURED_SPLIT])
 def test_real_size_decode_equals_reference(path):
     device = torch.device("cuda")
     seq_lens = [4096, 1000, 2049, 17] * 4

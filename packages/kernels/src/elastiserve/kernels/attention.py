@@ -3,7 +3,8 @@
 Sequence ``b`` has ``seq_lens[b]`` KV tokens; its queries are the last ``q_len = qsl[b+1] - qsl[b]`` of them, so
 query ``j`` sees KV positions ``<= seq_len - q_len + j``. That covers prefill, chunked prefill and decode in one op.
 ``path`` (chosen per batch by :func:`elastiserve.kernels.attention_plan.plan_attention`) says how pairs are read:
-0 native (all TARGET), 1 structured (``base_bounds[b] = [first, end)`` BASE pairs), 2 general (``pair_mode``).
+0 native (all TARGET), 1 structured (``base_bounds[b] = [first, end)`` BASE pairs), 2 general (``pair_mode``),
+3 structured in two launches (same inputs as 1; not chosen by the planner until the H200 has timed it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import triton
 
 from elastiserve.kernels.attention_kernels import paged_attention_kernel, reduce_splits_kernel
+from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, STRUCTURED_SPLIT
 from elastiserve.kernels.kv_ops import KVLayoutError, base_halves, check_kv_cache
 from elastiserve.platforms import current_platform
 from elastiserve.platforms.env import triton_interpret
@@ -21,6 +23,9 @@ from elastiserve.platforms.env import triton_interpret
 LOG2_E = 1.4426950408889634
 TARGET_PAIRS_PER_TILE = 2  # 2 pairs = 4 blocks of fp16 K and V in flight per iteration
 BASE_PAIRS_PER_TILE = 4  # a BASE pair is one packed block: twice the pairs for the same bytes in flight
+# The BASE-only launch of path 3 reads 2 pairs per tile: compiled for sm90 that kernel holds 120 registers per thread
+# (4 CTAs per SM, like the native kernel's 126) where 4 pairs take 200 (2 CTAs per SM); sm90-compile-report.log.
+SPLIT_BASE_PAIRS_PER_TILE = 2
 MIN_PAIRS_PER_SPLIT = 8
 MAX_SPLITS = 16
 NUM_WARPS = 4
@@ -52,10 +57,12 @@ def _check_inputs(q, kv_cache, block_tables, seq_lens, query_start_loc, path, ba
         raise KVLayoutError("block_tables must be int32 [B, max_blocks] with unit stride along blocks")
     if seq_lens.dtype != torch.int32 or query_start_loc.dtype != torch.int32 or query_start_loc.shape[0] != batch + 1:
         raise KVLayoutError("seq_lens must be int32 [B] and query_start_loc int32 [B + 1]")
-    if path not in (0, 1, 2):
-        raise KVLayoutError(f"path must be 0 (native), 1 (structured) or 2 (general), got {path}")
-    if path == 1 and (base_bounds is None or base_bounds.dtype != torch.int32 or not base_bounds.is_contiguous()):
-        raise KVLayoutError("path 1 needs base_bounds: contiguous int32 [B, 2]")
+    if path not in (NATIVE, STRUCTURED, GENERAL, STRUCTURED_SPLIT):
+        raise KVLayoutError(f"path must be 0 (native), 1 (structured), 2 (general) or 3 (structured, split launch), "
+                            f"got {path}")
+    bad_bounds = base_bounds is None or base_bounds.dtype != torch.int32 or not base_bounds.is_contiguous()
+    if path in (STRUCTURED, STRUCTURED_SPLIT) and bad_bounds:
+        raise KVLayoutError("paths 1 and 3 need base_bounds: contiguous int32 [B, 2]")
     if path == 2 and (pair_mode is None or pair_mode.dtype != torch.uint8 or pair_mode.stride(1) != 1):
         raise KVLayoutError("path 2 needs pair_mode: uint8 [B, max_pairs] with unit stride along pairs")
 
@@ -80,33 +87,40 @@ def _paged_attention_triton(
         num_sms = current_platform().num_sms
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, num_sms)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    if path == STRUCTURED_SPLIT and num_q_blocks > 1:
+        path = STRUCTURED  # the split launch merges flash-decoding partials, which only decode tiles have
+    launches = [(3, 0, BASE_PAIRS_PER_TILE), (4, num_splits, SPLIT_BASE_PAIRS_PER_TILE)] if path == STRUCTURED_SPLIT \
+        else [(path, 0, BASE_PAIRS_PER_TILE)]
+    total_splits = num_splits * len(launches)
+    partials = total_splits > 1
     layer_view = kv_cache[:, layer]  # [N, 2, H, BS, D]; data_ptr includes the layer offset
-    bounds = base_bounds if path == 1 else seq_lens
-    modes = pair_mode if path == 2 else block_tables
-    if num_splits > 1:
-        splits_shape = (batch, num_kv_heads, num_splits)
+    bounds = base_bounds if path in (STRUCTURED, STRUCTURED_SPLIT) else seq_lens
+    modes = pair_mode if path == GENERAL else block_tables
+    if partials:
+        splits_shape = (batch, num_kv_heads, total_splits)
         part_acc = torch.empty((*splits_shape, block_m, block_d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((*splits_shape, 2, block_m), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # never touched
-    grid = (batch, num_kv_heads, num_splits if num_splits > 1 else num_q_blocks)
-    paged_attention_kernel[grid](
-        q, out, layer_view,
-        block_tables, seq_lens, query_start_loc, bounds, modes,
-        part_acc, part_ml,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        layer_view.stride(0), layer_view.stride(1), layer_view.stride(2), layer_view.stride(3),
-        block_tables.stride(0), modes.stride(0),
-        group_size, head_dim, scale * LOG2_E,
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d,
-        PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=BASE_PAIRS_PER_TILE, PATH=path, NUM_SPLITS=num_splits,
-        INTERPRETED=triton_interpret(),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )  # fmt: skip
-    if num_splits > 1:
+    grid = (batch, num_kv_heads, num_splits if partials else num_q_blocks)
+    for kernel_path, split_base, base_pairs in launches:
+        paged_attention_kernel[grid](
+            q, out, layer_view,
+            block_tables, seq_lens, query_start_loc, bounds, modes,
+            part_acc, part_ml,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            layer_view.stride(0), layer_view.stride(1), layer_view.stride(2), layer_view.stride(3),
+            block_tables.stride(0), modes.stride(0),
+            group_size, head_dim, scale * LOG2_E,
+            BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d,
+            PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=base_pairs, PATH=kernel_path, NUM_SPLITS=num_splits,
+            INTERPRETED=triton_interpret(), PARTIALS=partials, TOTAL_SPLITS=total_splits, SPLIT_BASE=split_base,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        )  # fmt: skip
+    if partials:
         reduce_splits_kernel[(batch, num_kv_heads)](
             out, query_start_loc, part_acc, part_ml, out.stride(0), out.stride(1), group_size, head_dim,
-            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4,
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, NUM_SPLITS=total_splits, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -140,7 +154,9 @@ def paged_attention(
     seq_lens : int32 [B], KV tokens per sequence (queries included).
     query_start_loc : int32 [B + 1].
     scale : softmax scale; max_query_len : upper bound of q_len over the batch (sets the grid).
-    path : 0 native, 1 structured (``base_bounds`` int32 [B, 2]), 2 general (``pair_mode`` uint8 [B, max_pairs]).
+    path : 0 native, 1 structured (``base_bounds`` int32 [B, 2]), 2 general (``pair_mode`` uint8 [B, max_pairs]),
+        3 structured read by two launches (TARGET ranges, BASE run) merged like KV splits (decode; prefill
+        tiles take path 1).
     num_splits : KV splits for decode (0 = choose from the shapes).
 
     Returns fp16 [T, Hq, D]; rows past ``query_start_loc[B]`` are left unset.
@@ -170,7 +186,7 @@ def base_pair_mask(num_pairs: int, seq: int, path: int, base_bounds, pair_mode, 
     """bool [num_pairs]: which pairs of sequence ``seq`` are BASE under ``path``."""
     if path == 0 or num_pairs == 0:
         return torch.zeros(num_pairs, dtype=torch.bool, device=device)
-    if path == 1:
+    if path in (STRUCTURED, STRUCTURED_SPLIT):
         first, end = (int(x) for x in base_bounds[seq].tolist())
         pairs = torch.arange(num_pairs, device=device)
         return (pairs >= first) & (pairs < end)

@@ -9,6 +9,12 @@ group) pairs, ``BLOCK_M`` of them padded to at least 16 for ``tl.dot``. KV is wa
 - MODE 2 (general): per-row pair mode; B rows of BASE pairs are masked off (no load issued) and both halves are
   decoded from the A tile with ``tl.where``.
 
+PATH 3 and 4 are the two launches of the split structured path (``attention.STRUCTURED_SPLIT``): the TARGET ranges
+and the BASE run, each writing flash-decoding partials that one reduction merges. The one-launch structured kernel
+carries both loops and compiles to 200 registers per thread (2 CTAs per SM) against the native kernel's 126
+(benchmarks/kernels/results/sm90-compile-report.log); none of these loops is software-pipelined, so resident CTAs are
+what keeps loads in flight.
+
 Measured on the H200 (decode, batch 64 x 4096 tokens, 32 q / 8 kv heads, dim 128, graph replay): native 244 us
 against SDPA's 238 us on contiguous KV; all-BASE 215 us, so BASE is latency-bound, not byte-bound: its loads pass
 through integer ops before the dots and Triton does not software-pipeline them. A register-prefetch variant and a
@@ -149,11 +155,11 @@ def paged_attention_kernel(
     group_size, head_dim, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     PAIRS: tl.constexpr, BASE_PAIRS: tl.constexpr, PATH: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, PARTIALS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, SPLIT_BASE: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    if NUM_SPLITS > 1:
+    if PARTIALS:
         split = tl.program_id(2)
         q_block = 0
     else:
@@ -209,14 +215,40 @@ def paged_attention_kernel(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
                 seq_len, base_hi, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
             )  # fmt: skip
-        else:
+        elif PATH == 2:
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
                 seq_len, lo, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 2, INTERPRETED,
             )  # fmt: skip
+        elif PATH == 3:
+            # The TARGET side of a structured batch launched on its own: [lo, base_lo) and [base_hi, hi).
+            first_base = tl.load(bounds_ptr + 2 * seq)
+            end_base = tl.maximum(tl.load(bounds_ptr + 2 * seq + 1), first_base)
+            base_lo = tl.minimum(tl.maximum(first_base, lo), hi)
+            base_hi = tl.maximum(tl.minimum(end_base, hi), base_lo)
+            acc, m_i, l_i = _attend_pairs(
+                acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
+                seq_len, lo, base_lo, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
+            )  # fmt: skip
+            acc, m_i, l_i = _attend_pairs(
+                acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
+                seq_len, base_hi, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
+            )  # fmt: skip
+        else:
+            # PATH 4, the BASE side: the BASE run [first, end) itself is cut into NUM_SPLITS ranges, so every
+            # program of this launch reads BASE pairs (a kernel with only the BASE loop keeps its register count).
+            first_base = tl.minimum(tl.load(bounds_ptr + 2 * seq), num_pairs)
+            end_base = tl.minimum(tl.maximum(tl.load(bounds_ptr + 2 * seq + 1), first_base), num_pairs)
+            per_base = tl.cdiv(tl.cdiv(end_base - first_base, NUM_SPLITS), BASE_PAIRS) * BASE_PAIRS
+            b_lo = tl.minimum(first_base + split * per_base, end_base)
+            b_hi = tl.minimum(b_lo + per_base, end_base)
+            acc, m_i, l_i = _attend_pairs(
+                acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
+                seq_len, b_lo, b_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED,
+            )  # fmt: skip
 
-        if NUM_SPLITS > 1:
-            slot = (seq * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
+        if PARTIALS:
+            slot = (seq * tl.num_programs(1) + kv_head) * TOTAL_SPLITS + SPLIT_BASE + split
             part = part_acc_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_D)
             tl.store(part + rows[:, None] * BLOCK_D + dims[None, :], acc)
             ml = part_ml_ptr + slot.to(tl.int64) * (2 * BLOCK_M)
