@@ -83,3 +83,28 @@ def test_warm_up_runs_the_pair_kernels_and_leaves_block_zero_bit_exact():
         assert torch.equal(runner.kv_cache[0].view(torch.int16), before)
     finally:
         engine.close()
+
+
+def test_a_deferred_restore_request_is_kept_for_the_next_step():
+    """Under tensor parallelism a step whose peers are still copying commits and starts nothing
+    (``StepReport.deferred``); the engine must ask again next step instead of dropping the request."""
+    from elastiserve.memory.sum_manager import StepReport
+
+    engine = engine_for("dps")
+    try:
+        asked = []
+        replies = [StepReport((), (), 0, deferred=True), StepReport((), (), 0), StepReport((), (), 0)]
+
+        def between_steps(restore_layers):
+            asked.append(restore_layers)
+            return replies.pop(0)
+
+        engine.runner.between_steps = between_steps
+        engine._restore_layers = (0, 1)
+        engine._restore_between_steps()
+        engine._restore_between_steps()
+        engine._restore_between_steps()
+        assert asked == [(0, 1), (0, 1), None]
+    finally:
+        engine.runner.__dict__.pop("between_steps", None)
+        engine.close()

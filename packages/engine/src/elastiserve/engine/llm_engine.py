@@ -276,7 +276,8 @@ class LLMEngine:
     def _restore_between_steps(self) -> None:
         """Commit residual restores that finished (layers go back to full in ``_sync_mode``), start requested ones."""
         report = self.runner.between_steps(self._restore_layers)
-        self._restore_layers = None
+        if not report.deferred:  # a deferred step started nothing: the requested restore waits for the next one
+            self._restore_layers = None
         if report.committed:
             layers = {task.chunk.layer for task in report.committed}
             self.events.add(time.monotonic(), self.step_count, "restore_done", len(layers))

@@ -183,13 +183,13 @@ def _between_steps_all_ranks(runner: Any, restore_layers: tuple[int, ...] | None
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if flag.item() == 1:
         return runner.between_steps(restore_layers)  # every rank done: commit and start the same tasks
-    return _no_report()  # someone is still copying: nobody commits, so the ranks' books stay equal
+    return _deferred_report()  # someone is still copying: nobody commits, so the ranks' books stay equal
 
 
-def _no_report() -> Any:
+def _deferred_report() -> Any:
     from elastiserve.memory.sum_manager import StepReport
 
-    return StepReport((), (), 0)
+    return StepReport((), (), 0, deferred=True)
 
 
 def _call_and_gather(runner: Any, fn: Any, args: tuple, world_size: int) -> list[Any] | None:

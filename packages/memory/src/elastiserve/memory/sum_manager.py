@@ -78,6 +78,7 @@ class StepReport:
     failed: tuple[RestoreFailed, ...]
     submitted: int
     finished_batches: tuple[RestoreBatch, ...] = ()  # for timing (remap_seconds, copy events)
+    deferred: bool = False  # nothing committed or started this step (a tensor-parallel peer was still copying)
 
 
 class SumManager:
