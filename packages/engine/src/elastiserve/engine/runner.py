@@ -119,11 +119,9 @@ class ModelRunner:
             hidden = self.forward(metadata.slot_mapping.shape[0], metadata)
             last_rows = metadata.query_start_loc[1:] - 1
         out: list[int | None] = [None] * num_seqs
-        if not inputs.sample_indices:
+        if not inputs.sample_indices or not sample:  # tensor-parallel workers: rank 0 computes logits and samples
             return StepOutput(out)
         logits = self.model.compute_logits(hidden[last_rows[inputs.sample_indices]])
-        if not sample:  # tensor-parallel workers: rank 0 samples
-            return StepOutput(out)
         generators = [self._generator(r, p) for r, p in zip(inputs.request_ids, inputs.sample_params)]
         sampled = self.sampler(logits, inputs.sample_params, generators).tolist()
         for i, token in zip(inputs.sample_indices, sampled):

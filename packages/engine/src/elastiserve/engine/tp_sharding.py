@@ -3,8 +3,8 @@
 ``qkv_proj`` and ``gate_up_proj`` are column-parallel (each rank keeps its heads / its
 slice of the intermediate size, fused halves sharded separately), ``o_proj`` and ``down_proj`` are row-parallel and
 followed by an all-reduce; MoE experts shard their intermediate dimension the same way and the block output is
-all-reduced. Embeddings, norms, the router and ``lm_head`` stay replicated (every rank computes full logits; only
-rank 0 samples). Each rank owns its KV pool and SUM shared region for its own heads and weight shards.
+all-reduced. Embeddings, norms, the router and ``lm_head`` stay replicated (a local matmul, so only rank 0 computes
+the logits and samples). Each rank owns its KV pool and SUM shared region for its own heads and weight shards.
 """
 
 from __future__ import annotations
