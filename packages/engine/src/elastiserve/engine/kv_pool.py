@@ -73,7 +73,7 @@ def create_kv_pool(config: EngineConfig, model: torch.nn.Module, device: torch.d
     from elastiserve.memory.sum_manager import SumConfig, SumManager, choose_unit_bytes
     from elastiserve.memory.vmm import open_backend
 
-    backend = open_backend("auto", device)
+    backend = open_backend("host" if device.type == "cpu" else "auto", device)  # a CPU engine on a GPU host too
     block_bytes = kv_block_bytes(model.config, config.block_size)
     granularity = backend.granularity()
     # GPUs: 2 MiB-ish units. The host's 4 KiB pages would waste blocks at unit edges; a few blocks per unit fixes it.
