@@ -2,7 +2,8 @@
 
 ``pytest --device=cpu`` (the default, what CI runs) selects tests marked ``cpu``; ``--device=cuda`` selects
 tests marked ``cuda`` and fails at once when no NVIDIA GPU is present, so a CUDA session can never pass by
-skipping. Every test must carry at least one device marker.
+skipping. Every test must carry at least one device marker. Tests marked ``multi_gpu`` run only with ``--gpus N``
+(N >= 2), which fails at once when fewer GPUs are present; without it they are deselected, never skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ DEVICE_MARKERS = ("cpu", "cuda", "rocm")
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--device", choices=DEVICE_MARKERS, default="cpu", help="which device marker to run")
+    parser.addoption("--gpus", type=int, default=1, help="GPUs this run may use; >= 2 selects the multi_gpu tests")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -31,6 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
     is_hip = torch.version.hip is not None
     if (device == "rocm") != is_hip:
         raise pytest.UsageError(f"--device={device} but this GPU is {'ROCm' if is_hip else 'CUDA'}")
+    gpus = config.getoption("--gpus")
+    if torch.cuda.device_count() < gpus:
+        raise pytest.UsageError(f"--gpus={gpus} but torch sees {torch.cuda.device_count()} GPU(s)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -38,8 +43,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(m) for m in DEVICE_MARKERS)]
     if unmarked:
         raise pytest.UsageError(f"tests without a device marker (cpu/cuda/rocm): {unmarked[:10]}")
-    selected = [item for item in items if item.get_closest_marker(device)]
-    deselected = [item for item in items if not item.get_closest_marker(device)]
+    multi = config.getoption("--gpus") >= 2
+
+    def wanted(item: pytest.Item) -> bool:
+        return bool(item.get_closest_marker(device)) and bool(item.get_closest_marker("multi_gpu")) == multi
+
+    selected = [item for item in items if wanted(item)]
+    deselected = [item for item in items if not wanted(item)]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected

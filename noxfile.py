@@ -66,10 +66,10 @@ def _inherit_host_site_packages(session: nox.Session) -> None:
     Path(venv_site, "_elastiserve_host_site.pth").write_text("\n".join(sorted(host_dirs)) + "\n")
 
 
-def _gpu_session(session: nox.Session, device: str) -> None:
+def _gpu_session(session: nox.Session, device: str, *extra: str) -> None:
     _inherit_host_site_packages(session)
     _install_packages(session, offline=True)
-    pytest_args = (f"--device={device}", "-p", "no:cacheprovider", *session.posargs)
+    pytest_args = (f"--device={device}", "-p", "no:cacheprovider", *extra, *session.posargs)
     session.run("python", "-m", "pytest", *pytest_args, env={"HF_HUB_OFFLINE": "1"})
 
 
@@ -77,6 +77,12 @@ def _gpu_session(session: nox.Session, device: str) -> None:
 def test_cuda(session: nox.Session) -> None:
     """The suite on an NVIDIA GPU, offline, against the machine's torch/triton/cuda-bindings."""
     _gpu_session(session, "cuda")
+
+
+@nox.session(name="test-cuda-multi", venv_params=["--without-pip"])
+def test_cuda_multi(session: nox.Session) -> None:
+    """The multi-GPU tests (tensor parallelism over NCCL) on a host with two or more NVIDIA GPUs."""
+    _gpu_session(session, "cuda", "--gpus=2")
 
 
 @nox.session(name="test-rocm", venv_params=["--without-pip"])
