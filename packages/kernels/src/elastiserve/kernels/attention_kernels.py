@@ -48,14 +48,21 @@ def _online_softmax_step(acc, m_i, l_i, q, k_a, k_b, v_a, v_b, ok_a, ok_b, qk_sc
 
 
 @triton.jit
-def _tile_rows(first_pair, seq_len, pair_end, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr):
-    """Rows of a tile of PAIRS pairs: row r is token r % BS of logical blocks A and B of pair first + r // BS."""
+def _tile_rows(first_pair, seq_len, pair_end, gap_at, gap_len, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
+               GAP: tl.constexpr):
+    """Rows of a tile of PAIRS pairs: row r is token r % BS of logical blocks A and B of pair first + r // BS.
+    With GAP the pair indices are virtual: pairs from ``gap_at`` on are shifted by ``gap_len`` (one loop over the
+    two TARGET ranges around a BASE run)."""
     rows = tl.arange(0, PAIRS * BLOCK_SIZE)
-    pair = first_pair + rows // BLOCK_SIZE
+    virtual = first_pair + rows // BLOCK_SIZE
+    in_range = virtual < pair_end
+    if GAP:
+        pair = virtual + tl.where(virtual >= gap_at, gap_len, 0)
+    else:
+        pair = virtual
     offset = rows % BLOCK_SIZE
     pos_a = pair * (2 * BLOCK_SIZE) + offset
     pos_b = pos_a + BLOCK_SIZE
-    in_range = pair < pair_end
     return pair, offset, pos_a, pos_b, in_range & (pos_a < seq_len), in_range & (pos_b < seq_len)
 
 
@@ -64,10 +71,11 @@ def _pair_tile(
     acc, m_i, l_i, q, qpos, first_pair,
     kv_ptr, bt_row, pm_row,
     stride_block, stride_kv, stride_tok,
-    seq_len, pair_end, head_dim, qk_scale,
-    BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr,
+    seq_len, pair_end, head_dim, qk_scale, gap_at, gap_len,
+    BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, GAP: tl.constexpr,
 ):  # fmt: skip
-    pair, offset, pos_a, pos_b, valid_a, valid_b = _tile_rows(first_pair, seq_len, pair_end, BLOCK_SIZE, PAIRS)
+    pair, offset, pos_a, pos_b, valid_a, valid_b = _tile_rows(first_pair, seq_len, pair_end, gap_at, gap_len,
+                                                              BLOCK_SIZE, PAIRS, GAP)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     block_a = tl.load(bt_row + 2 * pair, mask=valid_a, other=0).to(tl.int64)
@@ -122,9 +130,9 @@ def _attend_pairs(
     stride_block, stride_kv, stride_tok,
     seq_len, pair_begin, pair_end, head_dim, qk_scale,
     BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, gap_at=0, gap_len=0, GAP: tl.constexpr = False,
 ):  # fmt: skip
-    """Attend to pairs [pair_begin, pair_end), PAIRS per iteration, all read in MODE."""
+    """Attend to pairs [pair_begin, pair_end), PAIRS per iteration, all read in MODE (virtual pairs with GAP)."""
     if INTERPRETED:
         # The interpreter cannot take runtime tensors as range() bounds with numpy >= 2.4; GPU code keeps the
         # for loop, which Triton software-pipelines (a while loop it does not).
@@ -132,14 +140,16 @@ def _attend_pairs(
         while first_pair < pair_end:
             acc, m_i, l_i = _pair_tile(
                 acc, m_i, l_i, q, qpos, first_pair, kv_ptr, bt_row, pm_row, stride_block, stride_kv,
-                stride_tok, seq_len, pair_end, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, MODE,
+                stride_tok, seq_len, pair_end, head_dim, qk_scale, gap_at, gap_len, BLOCK_SIZE, PAIRS, BLOCK_D, MODE,
+                GAP,
             )  # fmt: skip
             first_pair += PAIRS
     else:
         for first_pair in range(pair_begin, pair_end, PAIRS):
             acc, m_i, l_i = _pair_tile(
                 acc, m_i, l_i, q, qpos, first_pair, kv_ptr, bt_row, pm_row, stride_block, stride_kv,
-                stride_tok, seq_len, pair_end, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, MODE,
+                stride_tok, seq_len, pair_end, head_dim, qk_scale, gap_at, gap_len, BLOCK_SIZE, PAIRS, BLOCK_D, MODE,
+                GAP,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -221,18 +231,16 @@ def paged_attention_kernel(
                 seq_len, lo, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 2, INTERPRETED,
             )  # fmt: skip
         elif PATH == 3:
-            # The TARGET side of a structured batch launched on its own: [lo, base_lo) and [base_hi, hi).
+            # The TARGET side of a structured batch launched on its own: [lo, base_lo) and [base_hi, hi) as one
+            # loop over virtual pairs that skips the BASE run (two loops compiled to 154 registers, sm90).
             first_base = tl.load(bounds_ptr + 2 * seq)
             end_base = tl.maximum(tl.load(bounds_ptr + 2 * seq + 1), first_base)
             base_lo = tl.minimum(tl.maximum(first_base, lo), hi)
             base_hi = tl.maximum(tl.minimum(end_base, hi), base_lo)
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, lo, base_lo, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
-            )  # fmt: skip
-            acc, m_i, l_i = _attend_pairs(
-                acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, base_hi, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
+                seq_len, lo, hi - (base_hi - base_lo), head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0,
+                INTERPRETED, base_lo, base_hi - base_lo, True,
             )  # fmt: skip
         else:
             # PATH 4, the BASE side: the BASE run [first, end) itself is cut into NUM_SPLITS ranges, so every
