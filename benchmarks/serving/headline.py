@@ -228,6 +228,23 @@ def print_table(outputs: list[dict[str, Any]]) -> str:
     return text
 
 
+def plot_side_by_side(outputs: list[dict[str, Any]], path: Path) -> Path | None:
+    """One timeline (KV occupancy, mode, BASE residency, TTFT; the DPS paper's Figure 7) of every policy's first run,
+    rebuilt from the per-policy JSON files, so runs made in separate calls still land on one figure."""
+    from types import SimpleNamespace
+
+    from elastiserve.engine.bench.plots import plot_timeline
+    from elastiserve.engine.bench.replay import ReplayResult
+
+    results = {}
+    for out in outputs:
+        run = out["runs"][0]
+        records = [SimpleNamespace(arrival=r["arrival"], ttft=r["ttft"], token_times=[1] if r["finished"] else [])
+                   for r in run["requests"]]
+        results[run["policy"]] = ReplayResult(records, run["timeline"], run["events"], run["summary"]["duration_s"])
+    return plot_timeline(results, path, title=path.stem) if results else None
+
+
 def run_quality_setting(args: argparse.Namespace) -> dict[str, Any]:
     from elastiserve.engine.bench.quality import QualityConfig, format_quality, run_quality
     from elastiserve.engine.bench.results import run_metadata, write_json
@@ -289,14 +306,19 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.setting == "quality":
         return run_quality_setting(args)
     if args.summarize:
-        files = sorted(args.out.glob(f"{args.setting}-*.json"))
-        return {"table": print_table([{**json.loads(f.read_text()), "json": str(f)} for f in files])}
+        files = [f for f in sorted(args.out.glob(f"{args.setting}-*.json")) if "runs" in json.loads(f.read_text())]
+        outputs = [{**json.loads(f.read_text()), "json": str(f)} for f in files]
+        if not args.no_plots:
+            plot_side_by_side(outputs, args.out / f"{args.setting}-timeline.png")
+        return {"table": print_table(outputs)}
     cfg, changes = reduced_setting(args.setting, args)
     print("REDUCED: " + "; ".join(changes) if changes else "full setting (nothing reduced)", flush=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         outputs = run_setting(args.setting, args, cfg, resolve_model(cfg.model, Path(workdir)))
     table = print_table(outputs)
+    if not args.no_plots:
+        plot_side_by_side(outputs, args.out / f"{args.setting}-timeline.png")
     result = {"setting": args.setting, "config": asdict(cfg), "reductions": changes, "table": table,
               "policy_json": [o["json"] for o in outputs], "capacity": {k: v for o in outputs
                                                                          for k, v in o["capacity"].items()},

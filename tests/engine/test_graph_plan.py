@@ -1,4 +1,5 @@
-"""What an engine prepares before serving: the pair kernels run once (block 0 onto itself, bit-exact), and which
+"""What an engine prepares before serving: the pair kernels run once (block 0 onto itself, bit-exact); the step
+shapes it compiles (every mode, path, attention tile height and GEMM row bucket; their forwards write no KV); which
 decode graphs it captures, per policy: the native path in full mode always; the
 structured and general paths too when KV demotion is on; the all-fast mode too with nested weights (static-fp8
 only that one). The CPU has no CUDA graphs, so a recorder stands in for the graph runner; the GPU e2e tests replay
@@ -107,4 +108,36 @@ def test_a_deferred_restore_request_is_kept_for_the_next_step():
         assert asked == [(0, 1), (0, 1), None]
     finally:
         engine.runner.__dict__.pop("between_steps", None)
+        engine.close()
+
+
+@pytest.mark.parametrize("policy, modes, paths", [
+    ("static-fp16", 1, 1), ("elastickv", 1, 3), ("dps", 2, 1), ("combined", 2, 3), ("static-fp8", 1, 1),
+])  # fmt: skip
+def test_warm_up_shapes_cover_each_mode_path_and_bucket(policy, modes, paths):
+    from elastiserve.engine.warmup import warm_up_shapes
+
+    config = EngineConfig(model="tiny", device="cpu", policy=policy, max_num_batched_tokens=512, max_num_seqs=8)
+    shapes = warm_up_shapes(config, LAYERS, group_size=4, max_len=2048)
+    assert len({s.fast_layers for s in shapes}) == modes and len({s.path for s in shapes}) == paths
+    native = sorted({s.query_len for s in shapes if s.path == 0})
+    assert native == [4, 8, 16, 64, 256, 512]  # tile heights 16/32/64 at group 4; GEMM buckets up to the budget
+    assert {s.query_len for s in shapes if s.path != 0} <= {4, 8, 16}
+    assert len(shapes) == len(set(shapes))
+    clipped = warm_up_shapes(config, LAYERS, group_size=4, max_len=100)
+    assert max(s.query_len for s in clipped) == 100
+
+
+def test_warm_up_forwards_write_no_kv():
+    engine = engine_for("combined")
+    try:
+        runner = engine.runner
+        runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=torch.Generator().manual_seed(5))).half())
+        before = runner.kv_cache.view(torch.int16).clone()
+        shapes = [s for s in runner.warm_up_shapes() if s.query_len <= 16]  # the interpreter is slow at 64+ rows
+        assert {s.path for s in shapes} == {0, 1, 2} and len({s.fast_layers for s in shapes}) == 2
+        runner.run_warm_up_shapes(shapes)
+        assert torch.equal(runner.kv_cache.view(torch.int16), before)
+        assert runner.fast_layers == frozenset()
+    finally:
         engine.close()

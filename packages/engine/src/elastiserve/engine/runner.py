@@ -22,6 +22,7 @@ from elastiserve.engine.kv_pool import create_kv_pool
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
 from elastiserve.engine.step_inputs import InputBuffers, StepInputs, StepOutput, gather_step_inputs
+from elastiserve.engine.warmup import WarmUpShape, warm_up_shapes
 from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED
 
 __all__ = ["TRANSFER_CHUNK_PAIRS", "ModelRunner", "StepInputs", "StepOutput"]
@@ -214,7 +215,8 @@ class ModelRunner:
         self.pool.manager.evict_layers(layers)
 
     def warm_up(self) -> None:
-        """Before serving: compile the pair-transfer kernels and capture the decode graphs (``capture_graphs``)."""
+        """Before serving: run the pair-transfer kernels once, compile every step shape the policy reaches (GPU
+        only: the CPU has nothing to compile), then capture the decode graphs (``capture_graphs``)."""
         if self.config.uses_kv_demotion:
             # Demote then promote block 0 onto itself (a pair of one block: the pack reads both halves before it
             # writes, the unpack restores it bit-exactly), so the first real demotion does not compile mid-run.
@@ -222,7 +224,23 @@ class ModelRunner:
             low = torch.empty((1, 2 * self.block_elems), dtype=torch.uint8, device=self.device)
             self.ops.kv_demote(self.kv_cache, block, block, low)
             self.ops.kv_promote(self.kv_cache, block, block, block, low)
+        if self.device.type == "cuda":
+            self.run_warm_up_shapes(self.warm_up_shapes())
         self.capture_graphs()
+
+    def warm_up_shapes(self) -> list[WarmUpShape]:
+        group = self.model_config.num_attention_heads // self.model_config.num_key_value_heads
+        return warm_up_shapes(self.config, self.model_config.num_hidden_layers, group, self.max_model_len)
+
+    @torch.inference_mode()
+    def run_warm_up_shapes(self, shapes: list[WarmUpShape]) -> None:
+        """Eager forwards of one sequence each that write no KV (slots -1) and read block 0 only."""
+        before = self.fast_layers
+        for shape in shapes:
+            self.set_fast_layers(shape.fast_layers)
+            self.buffers.reset_for_prefill(shape.query_len)
+            self.forward(shape.query_len, self.buffers.metadata_view(shape.query_len, 1, shape.query_len, shape.path))
+        self.set_fast_layers(before)
 
     def capture_graphs(self) -> None:
         """Capture, before serving, the decode graphs the policy reaches without per-layer mixes: every batch size

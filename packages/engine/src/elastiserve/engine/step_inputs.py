@@ -112,6 +112,17 @@ class InputBuffers:
             pair_mode=self.pair_mode[:num_seqs] if path == GENERAL else None,
         )
 
+    def reset_for_prefill(self, query_len: int) -> None:
+        """Inputs of one sequence of ``query_len`` new tokens that write nothing and read block 0 (warm-up)."""
+        self.slot_mapping[:query_len].fill_(-1)
+        self.input_ids[:query_len].zero_()
+        self.positions[:query_len].copy_(torch.arange(query_len))
+        self.seq_lens[:1].fill_(query_len)
+        self.query_start_loc[:2].copy_(torch.tensor([0, query_len], dtype=torch.int32))
+        self.block_tables[:1].zero_()
+        self.base_bounds[:1].zero_()
+        self.pair_mode[:1].zero_()
+
     def reset_for_capture(self, size: int) -> None:
         """Inputs that write nothing, for capturing a decode graph of ``size`` rows."""
         self.slot_mapping[:size].fill_(-1)

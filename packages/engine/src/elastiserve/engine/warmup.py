@@ -1,0 +1,55 @@
+"""What an engine runs once before it serves, so that no request pays for a kernel compile.
+
+Triton compiles a kernel variant the first time a GEMM row bucket, a precision mode or an attention path (with its
+tile height) meets it, and a CUDA graph is captured the first time its batch size, mode and path do. Met mid-run,
+either is a stall in somebody's latency: in a reduced dense run on the H200 the first step that read BASE pairs took
+3.6 s and a later one 3.1 s (benchmarks/serving/results/dense-tiny-run1, elastickv timeline, steps 90-91 and
+137-138). ``warm_up_shapes`` lists the eager forwards that cover the compile side for a policy: one sequence per GEMM
+row bucket up to the chunked-prefill budget, and per attention path the query lengths that select each tile height,
+in every mode the policy reaches. They write no KV (every slot is -1) and read block 0 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastiserve.engine.config import EngineConfig
+from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED
+from elastiserve.kernels.configs import M_BUCKETS
+
+ATTENTION_TILE_ROWS = (16, 32, 64)  # the BLOCK_M values attention.choose_block_m picks from
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUpShape:
+    fast_layers: frozenset[int]
+    path: int
+    query_len: int  # one sequence of this many new tokens (and as many KV tokens)
+
+
+def mode_sets(config: EngineConfig, num_layers: int) -> list[frozenset[int]]:
+    """The fast-layer sets a policy runs without per-layer mixes: all-full, all-fast, or both."""
+    all_fast = frozenset(range(num_layers))
+    if config.policy == "static-fp8":
+        return [all_fast]
+    if config.uses_nested_weights:
+        return [frozenset(), all_fast]
+    return [frozenset()]
+
+
+def attention_paths(config: EngineConfig) -> tuple[int, ...]:
+    return (NATIVE, STRUCTURED, GENERAL) if config.uses_kv_demotion else (NATIVE,)
+
+
+def warm_up_shapes(config: EngineConfig, num_layers: int, group_size: int, max_len: int) -> list[WarmUpShape]:
+    """``max_len``: the longest sequence the block tables hold (the budget is clipped to it)."""
+    budget = min(config.max_num_batched_tokens, max_len)
+    gemm_rows = sorted({min(bucket, budget) for bucket in M_BUCKETS if bucket > 1})
+    shapes: list[WarmUpShape] = []
+    for fast in mode_sets(config, num_layers):
+        shapes += [WarmUpShape(fast, NATIVE, rows) for rows in gemm_rows]
+        for path in attention_paths(config):
+            for tile_rows in ATTENTION_TILE_ROWS:
+                query_len = min(budget, max(1, tile_rows // group_size))
+                shapes.append(WarmUpShape(fast, path, query_len))
+    return list(dict.fromkeys(shapes))  # in order, each once
