@@ -22,8 +22,7 @@ from elastiserve.engine.kv_pool import create_kv_pool
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
 from elastiserve.engine.step_inputs import InputBuffers, StepInputs, StepOutput, gather_step_inputs
-from elastiserve.engine.warmup import WarmUpShape, warm_up_shapes
-from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED
+from elastiserve.engine.warmup import WarmUpShape, attention_paths, mode_sets, warm_up_shapes
 
 __all__ = ["TRANSFER_CHUNK_PAIRS", "ModelRunner", "StepInputs", "StepOutput"]
 
@@ -244,24 +243,15 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture, before serving, the decode graphs the policy reaches without per-layer mixes: every batch size
-        on the native path, plus the structured and general paths when KV demotion is on, in full mode and (nested
-        weights) all-fast mode. A graph first met mid-run compiles its kernels there: on the H200 the first
-        demotion step of an elastickv run took 3.3 s (benchmarks/serving/results/dense-tiny-run1, steps 91-92).
-        Per-layer mixes (combined with layer granularity) are still captured when first used."""
+        on each attention path the policy uses, in each of its whole-model modes (``warmup.mode_sets``). A graph
+        first met mid-run is captured, and its kernels compiled, inside somebody's step. Per-layer mixes (combined
+        with layer granularity) are still captured when first used."""
         if self.graphs is None:
             return
-        paths = (NATIVE, STRUCTURED, GENERAL) if self.config.uses_kv_demotion else (NATIVE,)
-        all_fast = frozenset(range(self.model_config.num_hidden_layers))
-        if self.config.policy == "static-fp8":
-            mode_sets = [all_fast]
-        elif self.config.uses_nested_weights:
-            mode_sets = [frozenset(), all_fast]
-        else:
-            mode_sets = [frozenset()]
         before = self.fast_layers
-        for fast_layers in mode_sets:
+        for fast_layers in mode_sets(self.config, self.model_config.num_hidden_layers):
             self.set_fast_layers(fast_layers)
-            self.graphs.capture_common(paths)
+            self.graphs.capture_common(attention_paths(self.config))
         self.set_fast_layers(before)
 
     def between_steps(self, restore_layers: tuple[int, ...] | None) -> Any:
