@@ -1,4 +1,5 @@
-"""Control policies scripted by step number, for engine tests that need a mode switch at a known step."""
+"""Control policies scripted by the test, for engine tests that need a mode switch or a pair transition at a known
+step."""
 
 from __future__ import annotations
 
@@ -17,3 +18,18 @@ class EvictThenRestore:
     def decide_recovery(self, obs):
         wanted = obs.step >= self.restore_from and bool(obs.evicted_layers) and not obs.restore_in_flight
         return Decision(start_restore=True) if wanted else NOOP
+
+
+class ScriptedPolicy:
+    """Demote every eligible pair, or promote every BASE pair, at the step after the test asks for it."""
+
+    def __init__(self) -> None:
+        self.demote_next = self.promote_next = False
+
+    def decide_pressure(self, obs):
+        wanted, self.demote_next = self.demote_next, False
+        return Decision(demote_pairs=obs.target_pairs_eligible) if wanted else NOOP
+
+    def decide_recovery(self, obs):
+        wanted, self.promote_next = self.promote_next, False
+        return Decision(promote_pairs=obs.base_pairs_promotable) if wanted else NOOP

@@ -11,9 +11,8 @@ import time
 import pytest
 import torch
 import transformers  # test dependency: the reference forward
-from scripted_policies import EvictThenRestore
+from scripted_policies import EvictThenRestore, ScriptedPolicy
 
-from elastiserve.control.observation import NOOP, Decision
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
 from elastiserve.engine.llm_engine import LLMEngine
@@ -84,21 +83,6 @@ def test_static_fp16_greedy_matches_transformers(tiny_llama, device, enforce_eag
         assert result.finish_reason == "length"
     assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks
     assert engine.stats()["base_exposure"] == 0.0
-
-
-class ScriptedPolicy:
-    """Demote every eligible pair, or promote every BASE pair, at the step after the test asks for it."""
-
-    def __init__(self) -> None:
-        self.demote_next = self.promote_next = False
-
-    def decide_pressure(self, obs):
-        wanted, self.demote_next = self.demote_next, False
-        return Decision(demote_pairs=obs.target_pairs_eligible) if wanted else NOOP
-
-    def decide_recovery(self, obs):
-        wanted, self.promote_next = self.promote_next, False
-        return Decision(promote_pairs=obs.base_pairs_promotable) if wanted else NOOP
 
 
 def snapshot_pairs(engine, request_id):

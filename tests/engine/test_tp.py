@@ -19,8 +19,8 @@ import torch
 import tp_probes
 import transformers
 from safetensors.torch import save_file
+from scripted_policies import ScriptedPolicy
 
-from elastiserve.control.observation import NOOP, Decision
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.llm_engine import LLMEngine
 from elastiserve.engine.sampling import SamplingParams
@@ -100,21 +100,6 @@ def on_every_rank(engine, fn, *args) -> list:
 def assert_books_agree(engine) -> None:
     books = on_every_rank(engine, tp_probes.books)
     assert books == [books[0]] * len(books)
-
-
-class ScriptedPolicy:
-    """Demote every eligible pair, or promote every BASE pair, at the step after the test asks for it."""
-
-    def __init__(self) -> None:
-        self.demote_next = self.promote_next = False
-
-    def decide_pressure(self, obs):
-        wanted, self.demote_next = self.demote_next, False
-        return Decision(demote_pairs=obs.target_pairs_eligible) if wanted else NOOP
-
-    def decide_recovery(self, obs):
-        wanted, self.promote_next = self.promote_next, False
-        return Decision(promote_pairs=obs.base_pairs_promotable) if wanted else NOOP
 
 
 def pair_blocks(seq, pairs) -> list[int]:
