@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers  # test dependency: the reference forward
 from scripted_policies import EvictThenRestore, ScriptedPolicy
+from tiny_models import tiny_llama_config
 
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
@@ -37,12 +38,7 @@ PROMPTS = [[5, 9, 13, 2, 77, 31, 8], [101, 3, 3, 44], list(range(40, 61))]
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A random Llama whose weights are exactly fp16 values, so both sides multiply the same numbers."""
-    config = transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-        initializer_range=0.15, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = tiny_llama_config()
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     state = {name: t.half() for name, t in hf.state_dict().items()}

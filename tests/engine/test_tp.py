@@ -20,6 +20,7 @@ import tp_probes
 import transformers
 from safetensors.torch import save_file
 from scripted_policies import ScriptedPolicy
+from tiny_models import tiny_llama_config
 
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.llm_engine import LLMEngine
@@ -52,12 +53,7 @@ def type_for(config):
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-        initializer_range=0.15, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = tiny_llama_config()
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama"), config, seed=0)
 
 
