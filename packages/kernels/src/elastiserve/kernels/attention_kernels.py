@@ -155,6 +155,15 @@ def _attend_pairs(
 
 
 @triton.jit
+def _base_range_in(bounds_ptr, seq, lo, hi):
+    """Sequence ``seq``'s BASE run ``base_bounds[seq] = [first, end)`` clipped to the pairs [lo, hi) of a program."""
+    first_base = tl.load(bounds_ptr + 2 * seq)
+    end_base = tl.maximum(tl.load(bounds_ptr + 2 * seq + 1), first_base)
+    base_lo = tl.minimum(tl.maximum(first_base, lo), hi)
+    return base_lo, tl.maximum(tl.minimum(end_base, hi), base_lo)
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, out_ptr, kv_ptr,
     bt_ptr, seq_lens_ptr, qsl_ptr, bounds_ptr, pm_ptr,
@@ -209,10 +218,7 @@ def paged_attention_kernel(
             )  # fmt: skip
         elif PATH == 1:
             # TARGET [lo, base_lo) / BASE [base_lo, base_hi) / TARGET [base_hi, hi): no per-pair lookups.
-            first_base = tl.load(bounds_ptr + 2 * seq)
-            end_base = tl.maximum(tl.load(bounds_ptr + 2 * seq + 1), first_base)
-            base_lo = tl.minimum(tl.maximum(first_base, lo), hi)
-            base_hi = tl.maximum(tl.minimum(end_base, hi), base_lo)
+            base_lo, base_hi = _base_range_in(bounds_ptr, seq, lo, hi)
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
                 seq_len, lo, base_lo, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
@@ -233,10 +239,7 @@ def paged_attention_kernel(
         elif PATH == 3:
             # The TARGET side of a structured batch launched on its own: [lo, base_lo) and [base_hi, hi) as one
             # loop over virtual pairs that skips the BASE run (two loops compiled to 154 registers, sm90).
-            first_base = tl.load(bounds_ptr + 2 * seq)
-            end_base = tl.maximum(tl.load(bounds_ptr + 2 * seq + 1), first_base)
-            base_lo = tl.minimum(tl.maximum(first_base, lo), hi)
-            base_hi = tl.maximum(tl.minimum(end_base, hi), base_lo)
+            base_lo, base_hi = _base_range_in(bounds_ptr, seq, lo, hi)
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
                 seq_len, lo, hi - (base_hi - base_lo), head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0,
