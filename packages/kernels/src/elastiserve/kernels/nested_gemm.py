@@ -22,7 +22,7 @@ import triton.language as tl
 from elastiserve.kernels import configs, formats
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.merge_planes import merge_planes
-from elastiserve.kernels.weight_decode import decode_weight_tile, decode_weight_tile_ptx
+from elastiserve.kernels.weight_decode import load_weight_tile
 from elastiserve.platforms import ConfigError, FastGemm, Vendor, current_platform
 from elastiserve.platforms.env import triton_interpret
 
@@ -70,23 +70,12 @@ def _nested_gemm_kernel(
     for kk in range(0, k_per_split, BLOCK_K):
         offs_k = k_start + kk + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        w_off = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
         if EVEN_K:  # no K mask: keeps the loads fully vectorized
             w_mask = mask_n[:, None]
         else:
             w_mask = mask_n[:, None] & mask_k[None, :]
-        if MODE == 2 and not FNUZ:  # fp8 pointer
-            u = tl.load(upper_ptr + w_off, mask=w_mask, other=0.0)
-        else:
-            u = tl.load(upper_ptr + w_off, mask=w_mask, other=0)
-        if MODE == 0:
-            low = tl.load(lower_ptr + offs_n[:, None] * stride_ln + offs_k[None, :] * stride_lk, mask=w_mask, other=0)
-        else:
-            low = u
-        if PTX_DECODE and MODE != 2:
-            w = decode_weight_tile_ptx(u, low, MODE, NESTING)  # [BLOCK_N, BLOCK_K], four weights per asm call
-        else:
-            w = decode_weight_tile(u, low, MODE, NESTING, FNUZ)
+        w = load_weight_tile(upper_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
+                             MODE, NESTING, FNUZ, PTX_DECODE)  # [BLOCK_N, BLOCK_K]
         if SWAP_AB:
             if EVEN_K:
                 x_mask = mask_m[None, :]

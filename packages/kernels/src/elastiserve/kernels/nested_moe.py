@@ -29,7 +29,7 @@ from elastiserve.kernels.nested_gemm import (
     upper_for_kernel,
     weight_scale,
 )
-from elastiserve.kernels.weight_decode import decode_weight_tile
+from elastiserve.kernels.weight_decode import load_weight_tile
 from elastiserve.platforms import current_platform
 
 
@@ -62,22 +62,14 @@ def _nested_moe_kernel(
     for k in range(0, k_len, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        w_off = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
         if EVEN_K:
             w_mask = mask_n[:, None]
             x_mask = mask_m[None, :]
         else:
             w_mask = mask_n[:, None] & mask_k[None, :]
             x_mask = mask_m[None, :] & mask_k[:, None]
-        if MODE == 2 and not FNUZ:  # fp8 pointer
-            u = tl.load(w_base + w_off, mask=w_mask, other=0.0)
-        else:
-            u = tl.load(w_base + w_off, mask=w_mask, other=0)
-        if MODE == 0:
-            low = tl.load(l_base + offs_n[:, None] * stride_ln + offs_k[None, :] * stride_lk, mask=w_mask, other=0)
-        else:
-            low = u
-        w = decode_weight_tile(u, low, MODE, NESTING, FNUZ)
+        w = load_weight_tile(w_base, l_base, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
+                             MODE, NESTING, FNUZ, False)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_mask, other=0.0)
         acc = tl.dot(w, xt, acc)
 

@@ -94,3 +94,21 @@ def decode_weight_tile_ptx(u, low, MODE: tl.constexpr, NESTING: tl.constexpr):
     if NESTING == 1:
         return tl.inline_asm_elementwise(_FAST_E4M3_PTX, "=r,=r,r", [u], dtype=tl.float16, is_pure=True, pack=4)
     return tl.inline_asm_elementwise(_FAST_E5M2_PTX, "=r,=r,r", [u], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def load_weight_tile(upper_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
+                     MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, PTX_DECODE: tl.constexpr):
+    """Load one [BLOCK_N, BLOCK_K] tile of the planes (the lower one only in full mode) and decode it for tl.dot."""
+    w_off = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    if MODE == 2 and not FNUZ:  # fp8 pointer
+        u = tl.load(upper_ptr + w_off, mask=w_mask, other=0.0)
+    else:
+        u = tl.load(upper_ptr + w_off, mask=w_mask, other=0)
+    if MODE == 0:
+        low = tl.load(lower_ptr + offs_n[:, None] * stride_ln + offs_k[None, :] * stride_lk, mask=w_mask, other=0)
+    else:
+        low = u
+    if PTX_DECODE and MODE != 2:
+        return decode_weight_tile_ptx(u, low, MODE, NESTING)  # four weights per asm call
+    return decode_weight_tile(u, low, MODE, NESTING, FNUZ)
