@@ -306,8 +306,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.setting == "quality":
         return run_quality_setting(args)
     if args.summarize:
-        files = [f for f in sorted(args.out.glob(f"{args.setting}-*.json")) if "runs" in json.loads(f.read_text())]
-        outputs = [{**json.loads(f.read_text()), "json": str(f)} for f in files]
+        loaded = [(f, json.loads(f.read_text())) for f in sorted(args.out.glob(f"{args.setting}-*.json"))]
+        outputs = [{**data, "json": str(f)} for f, data in loaded if "runs" in data]  # not the headline summary
         if not args.no_plots:
             plot_side_by_side(outputs, args.out / f"{args.setting}-timeline.png")
         return {"table": print_table(outputs)}
