@@ -92,7 +92,8 @@ def p99_decode_step(engine, batch: int, context: int, steps: int = 64) -> dict[s
     from elastiserve.engine.sampling import SamplingParams
 
     rng = random.Random(4096)
-    max_tokens = min(steps + 8, engine.max_model_len - context)
+    context = min(context, engine.max_model_len - steps - 8)  # a short max_model_len still fits every measured step
+    max_tokens = steps + 8
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"tbase-{i}" for i in range(batch)]
     for rid in ids:
@@ -178,10 +179,9 @@ def run_setting(name: str, args: argparse.Namespace, cfg: Setting, model: str) -
         engine = build_engine(model, policy, settings)
         try:
             if t_base is None:  # one T_base for every policy: the first engine's (static-fp16 in the default order)
-                context = min(cfg.t_base_context, cfg.max_model_len - 72)  # room for the 64 measured steps
-                t_base_info = {"policy": policy, **p99_decode_step(engine, cfg.t_base_batch, context)}
+                t_base_info = {"policy": policy, **p99_decode_step(engine, cfg.t_base_batch, cfg.t_base_context)}
                 t_base = t_base_info["p99_s"]
-                print(f"T_base = P99 decode step, batch {cfg.t_base_batch} at {context} tokens, on the "
+                print(f"T_base = P99 decode step, batch {cfg.t_base_batch} at {t_base_info['context']} tokens, on the "
                       f"{policy} engine: {1e3 * t_base:.2f} ms", flush=True)
             plan = BenchPlan(spec, policies=(policy,), rates=cfg.rates if name == "moe" else (),
                              concurrencies=cfg.concurrencies if name == "dense" else (), out_dir=args.out,
