@@ -45,9 +45,9 @@ def engine_for(policy: str) -> LLMEngine:
 
 @pytest.mark.parametrize("policy, expected", [
     ("static-fp16", [(frozenset(), (0,))]),
-    ("elastickv", [(frozenset(), (0, 1, 2))]),
+    ("elastickv", [(frozenset(), (0, 3, 2))]),
     ("dps", [(frozenset(), (0,)), (frozenset(range(LAYERS)), (0,))]),
-    ("combined", [(frozenset(), (0, 1, 2)), (frozenset(range(LAYERS)), (0, 1, 2))]),
+    ("combined", [(frozenset(), (0, 3, 2)), (frozenset(range(LAYERS)), (0, 3, 2))]),
     ("static-fp8", [(frozenset(range(LAYERS)), (0,))]),
 ])  # fmt: skip
 def test_capture_plan_per_policy(policy, expected):

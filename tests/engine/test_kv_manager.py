@@ -115,14 +115,14 @@ def test_abort_mid_promotion_frees_everything():
 
 
 def test_pair_modes_choose_the_attention_path_and_exposure():
-    from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, choose_path
+    from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED_READ_PATH, choose_path
 
     kv = KVManager(sum_pool(num_units=12), BS, num_host_slots=8, sink_pairs=1, recent_pairs=1)
     seq = filled(kv, make_seq("a", 6 * 2 * BS))
     assert choose_path([KVManager.pair_modes(seq)]) == (NATIVE, [])
     ops = [kv.demote(seq, 1), kv.demote(seq, 2)]
     kv.release_demoted(ops)
-    assert choose_path([KVManager.pair_modes(seq)]) == (STRUCTURED, [(1, 3)])
+    assert choose_path([KVManager.pair_modes(seq)]) == (STRUCTURED_READ_PATH, [(1, 3)])
     kv.record_exposure(seq, seq.num_tokens)
     assert kv.exposure.ratio == pytest.approx(2 / 6)
     kv.release_demoted([kv.demote(seq, 4)])

@@ -93,7 +93,7 @@ def test_plan_chooses_path_and_fills_buffers(device):
     buffers = AttentionPlanBuffers(AttentionPlanConfig(max_batch=4, max_pairs=5), device)
     assert plan_attention([[0, 0], [0]], buffers).path == NATIVE
     plan = plan_attention([[0, 1, 1, 0], [], [1, 0]], buffers)
-    assert plan.path == STRUCTURED
+    assert plan.path == STRUCTURED_SPLIT  # T*B*T* is read by path 3 (attention_plan.STRUCTURED_READ_PATH)
     assert plan.base_bounds[:3].cpu().tolist() == [[1, 3], [0, 0], [0, 1]]
     plan = plan_attention([np.array([1, 0, 1], dtype=np.uint8), [0, 1]], buffers)
     assert plan.path == GENERAL

@@ -14,7 +14,7 @@ from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
-from elastiserve.kernels.attention_plan import GENERAL, STRUCTURED, choose_path
+from elastiserve.kernels.attention_plan import GENERAL, STRUCTURED, STRUCTURED_SPLIT, choose_path
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ class InputBuffers:
             table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         self.block_tables[:padded].copy_(table, non_blocking=True)
         path, bounds = choose_path(inputs.pair_modes)
-        if path == STRUCTURED:
+        if path in (STRUCTURED, STRUCTURED_SPLIT):
             rows = bounds + [(0, 0)] * pad
             self.base_bounds[:padded].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
         elif path == GENERAL:
@@ -108,7 +108,7 @@ class InputBuffers:
             query_start_loc=self.query_start_loc[: num_seqs + 1],
             max_query_len=max_query_len,
             path=path,
-            base_bounds=self.base_bounds[:num_seqs] if path == STRUCTURED else None,
+            base_bounds=self.base_bounds[:num_seqs] if path in (STRUCTURED, STRUCTURED_SPLIT) else None,
             pair_mode=self.pair_mode[:num_seqs] if path == GENERAL else None,
         )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastiserve.engine.config import EngineConfig
-from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED
+from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED_READ_PATH
 from elastiserve.kernels.configs import M_BUCKETS
 
 ATTENTION_TILE_ROWS = (16, 32, 64)  # the BLOCK_M values attention.choose_block_m picks from
@@ -38,7 +38,7 @@ def mode_sets(config: EngineConfig, num_layers: int) -> list[frozenset[int]]:
 
 
 def attention_paths(config: EngineConfig) -> tuple[int, ...]:
-    return (NATIVE, STRUCTURED, GENERAL) if config.uses_kv_demotion else (NATIVE,)
+    return (NATIVE, STRUCTURED_READ_PATH, GENERAL) if config.uses_kv_demotion else (NATIVE,)
 
 
 def warm_up_shapes(config: EngineConfig, num_layers: int, group_size: int, max_len: int) -> list[WarmUpShape]:

@@ -17,7 +17,12 @@ import torch
 from elastiserve.platforms import ConfigError
 
 NATIVE, STRUCTURED, GENERAL = 0, 1, 2
-STRUCTURED_SPLIT = 3  # path 1's layout read by two launches (attention.py); requested explicitly, never planned
+STRUCTURED_SPLIT = 3  # path 1's layout read by two launches (attention.py); the planner's choice for T*B*T*
+# Why path 3 and not path 1 for structured batches: on the H200 (64 sequences x 4096 tokens, CUDA-graph replay,
+# benchmarks/kernels/results/h200-attention-run2) path 3 reads an all-BASE batch at 1.47x the native kernel's speed
+# (path 1: 1.16x) and a 15 %-BASE batch at 0.99x (path 1: 0.80x): each launch keeps the native kernel's 4 CTAs per SM.
+# Prefill tiles fall back to path 1 inside the op (the split launch merges flash-decoding partials).
+STRUCTURED_READ_PATH = STRUCTURED_SPLIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +58,7 @@ class AttentionPlan:
     """What :func:`elastiserve.kernels.attention.paged_attention` needs beyond the block tables."""
 
     path: int
-    base_bounds: torch.Tensor  # int32 [max_batch, 2] device view; valid rows [:batch] when path == 1
+    base_bounds: torch.Tensor  # int32 [max_batch, 2] device view; valid rows [:batch] when path is 1 or 3
     pair_mode: torch.Tensor  # uint8 [max_batch, max_pairs] device view; valid rows [:batch] when path == 2
 
 
@@ -68,12 +73,13 @@ def _base_runs(modes: Sequence[int] | np.ndarray) -> tuple[int, int, bool]:
 
 
 def choose_path(pair_modes: Sequence[Sequence[int] | np.ndarray]) -> tuple[int, list[tuple[int, int]]]:
-    """Path for the batch: native without BASE pairs, structured when every sequence is T*B*T*, else general."""
+    """Path for the batch: native without BASE pairs, structured (read by ``STRUCTURED_READ_PATH``) when every
+    sequence is T*B*T*, else general."""
     runs = [_base_runs(modes) for modes in pair_modes]
     if all(first == end for first, end, _ in runs):
         return NATIVE, []
     if all(contiguous for _, _, contiguous in runs):
-        return STRUCTURED, [(first, end) for first, end, _ in runs]
+        return STRUCTURED_READ_PATH, [(first, end) for first, end, _ in runs]
     return GENERAL, []
 
 
@@ -94,14 +100,14 @@ def plan_attention(
     -------
     >>> bufs = AttentionPlanBuffers(AttentionPlanConfig(max_batch=4, max_pairs=8), "cpu")
     >>> plan_attention([[0, 1, 1, 0], [0, 0]], bufs).path
-    1
+    3
     """
     config = buffers.config
     batch = len(pair_modes)
     if batch > config.max_batch:
         raise ConfigError(f"batch {batch} exceeds the planned max_batch {config.max_batch}")
     path, bounds = choose_path(pair_modes)
-    if path == STRUCTURED:
+    if path in (STRUCTURED, STRUCTURED_SPLIT):
         buffers.host_bounds[:batch] = np.asarray(bounds, dtype=np.int32).reshape(batch, 2)
         _copy(buffers, 0, 8 * batch, non_blocking)
     elif path == GENERAL:

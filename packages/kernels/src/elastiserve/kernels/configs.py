@@ -36,8 +36,8 @@ class GemmConfig:
     swap_ab: bool = True  # weight is operand A: acc is [BLOCK_N, BLOCK_M]
     split_k: int = 1
     group_m: int = 8
-    # Decode the weight tile with packed-word PTX (``weight_decode.decode_weight_tile_ptx``), NVIDIA only. Off in
-    # the tables until the H200 has timed it against the portable decode (the probe script compares both).
+    # Decode the weight tile with packed-word PTX (``weight_decode.decode_weight_tile_ptx``), NVIDIA only: the sm90
+    # full-mode rows use it (see _DECODE_FULL), the portable decode stays on every other arch.
     ptx_decode: bool = False
 
     def __post_init__(self) -> None:
@@ -66,12 +66,17 @@ _G = GemmConfig
 _DECODE = _G(16, 64, 128, num_warps=4, num_stages=6)
 DECODE_LONG_K = _G(16, 128, 256, num_warps=8, num_stages=3)
 LONG_K = 8192
+# Full mode at decode sizes is bound by the in-register decode (~9 integer ops per weight), not by bytes. The
+# packed-word PTX decode (four weights per asm call) with narrow 32x256 tiles took qkv from 0.46x to 0.94x and down
+# from 0.45x to 0.87x of fp16 at M = 1 (0.86x / 0.85x at M = 16) on the H200, the best of seven tiles for both K
+# (benchmarks/kernels/results/h200-gemm-config-probe-run2.json); the portable decode on the same tile: 0.33x / 0.26x.
+_DECODE_FULL = _G(16, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
 
 _SM90: dict[str, dict[int, GemmConfig]] = {
     "full": {
-        1: _DECODE,
-        16: _DECODE,
-        64: _G(64, 64, 128, num_warps=4, num_stages=4),
+        1: _DECODE_FULL,
+        16: _DECODE_FULL,
+        64: _G(64, 64, 128, num_warps=4, num_stages=4, ptx_decode=True),
         256: _G(64, 128, 64, num_warps=4, num_stages=4),
         1024: _G(128, 128, 64, num_warps=8, num_stages=4),
         4096: _G(256, 128, 64, num_warps=8, num_stages=3),
@@ -94,12 +99,12 @@ _SM90: dict[str, dict[int, GemmConfig]] = {
     },
 }
 
-# A100-class: no wgmma, 164 KB shared memory; same shapes with fewer stages.
-_SM80 = {mode: {b: replace(c, num_stages=min(c.num_stages, 3)) for b, c in table.items()}
+# A100-class: no wgmma, 164 KB shared memory; same shapes with fewer stages. The PTX decode is sm90-timed only.
+_SM80 = {mode: {b: replace(c, num_stages=min(c.num_stages, 3), ptx_decode=False) for b, c in table.items()}
          for mode, table in _SM90.items()}
 
-# AMD: at most 16 warps, 64 KB LDS per CU; 2 stages are what the AMD pipeliner uses.
-_GFX = {mode: {b: replace(c, num_stages=2, block_k=min(c.block_k, 128)) for b, c in table.items()}
+# AMD: at most 16 warps, 64 KB LDS per CU; 2 stages are what the AMD pipeliner uses; no PTX.
+_GFX = {mode: {b: replace(c, num_stages=2, block_k=min(c.block_k, 128), ptx_decode=False) for b, c in table.items()}
         for mode, table in _SM90.items()}
 
 # Interpreter: small tiles keep the numpy work per program tiny.
@@ -146,7 +151,7 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) ->
     if tuned is not None:
         return tuned
     config = TABLES.get(arch, _SM80)[mode][bucket]
-    if arch == "sm90" and bucket <= 16 and k >= LONG_K:  # 221 KB of stages: too much for A100 shared memory
+    if arch == "sm90" and bucket <= 16 and k >= LONG_K and mode != "full":  # 221 KB of stages: sm90 only
         config = DECODE_LONG_K
     if arch != "cpu" and bucket <= 64:
         tiles = -(-m // config.block_m) * -(-n // config.block_n)

@@ -178,6 +178,12 @@ def weight_scale(nesting: int, mode: str, fnuz: bool, weight_exp: int = 0) -> fl
     return prescale * (base * 2.0 if fnuz else base)  # an OCP byte read as FNUZ is value / 2
 
 
+def check_ptx_decode(config: configs.GemmConfig, platform) -> None:
+    """A tabled or explicit PTX decode that cannot run here raises instead of silently decoding portably."""
+    if config.ptx_decode and (platform.vendor is not Vendor.NVIDIA or triton_interpret()):
+        raise ConfigError(f"ptx_decode needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
+
+
 def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                 nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
                 config: configs.GemmConfig | None = None) -> torch.Tensor:
@@ -200,8 +206,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         config = configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)
     if mode == "fp8" and config.block_k < 32:
         raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
-    if config.ptx_decode and (platform.vendor is not Vendor.NVIDIA or triton_interpret()):
-        raise ConfigError(f"ptx_decode needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
+    check_ptx_decode(config, platform)
     x_scale = x  # placeholder pointer when unused
     if mode == "fp8":
         x, x_scale = quantize_per_token(x, fnuz)

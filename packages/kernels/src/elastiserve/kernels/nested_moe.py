@@ -22,6 +22,7 @@ from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.nested_gemm import (
     MODE_IDS,
     _is_fnuz,
+    check_ptx_decode,
     fast_mode_for,
     quantize_per_token,
     quantize_per_token_ref,
@@ -39,7 +40,7 @@ def _nested_moe_kernel(
     N, K,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_le, stride_ln, stride_lk, stride_om, stride_on,
     w_scale,
-    MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, EVEN_K: tl.constexpr,
+    MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -69,7 +70,7 @@ def _nested_moe_kernel(
             w_mask = mask_n[:, None] & mask_k[None, :]
             x_mask = mask_m[None, :] & mask_k[:, None]
         w = load_weight_tile(w_base, l_base, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
-                             MODE, NESTING, FNUZ, False)
+                             MODE, NESTING, FNUZ, PTX_DECODE)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_mask, other=0.0)
         acc = tl.dot(w, xt, acc)
 
@@ -124,6 +125,7 @@ def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Te
         # Rows per expert, not T, decide the tile: with top-k routing an expert sees about T / E * k rows.
         per_expert = max(1, t // num_experts)
         config = configs.choose_config(platform.arch, mode, per_expert, n, k, platform.num_sms)
+    check_ptx_decode(config, platform)
     x, x_scale = x_sorted, x_sorted
     if mode == "fp8":
         x, x_scale = quantize_per_token(x_sorted, fnuz)
@@ -137,6 +139,7 @@ def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Te
         lower.stride(0), lower.stride(1), lower.stride(2), out.stride(0), out.stride(1),
         weight_scale(nesting, mode, fnuz, weight_exp),
         MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, EVEN_K=k % config.block_k == 0,
+        PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
