@@ -105,13 +105,19 @@ def pair_blocks(seq, pairs) -> list[int]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
+# (max_tokens, free blocks) per block size such that r0 and r2 cannot both finish without a preemption: with 16-token
+# blocks 8 new tokens never cross a block boundary, so the GPU scenario generates 32 with 6 blocks free.
+PREEMPT_SCENARIO = {4: (8, 8), 16: (32, 6)}
+
+
 def greedy_abort_and_preempt(engine) -> tuple[list, dict]:
-    """Greedy outputs of PROMPTS; then the same prompts with r1 aborted and only 8 free blocks, so that r0 and r2
-    cannot both finish without a preemption. Returns the tokens of both runs."""
+    """Greedy outputs of PROMPTS; then the same prompts with r1 aborted and too few free blocks (PREEMPT_SCENARIO),
+    so that r0 and r2 cannot both finish without a preemption. Returns the tokens of both runs."""
     greedy = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
     pool = engine.kv.pool
-    held = pool.allocate(pool.num_free(False) - 8, False)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    max_tokens, free_blocks = PREEMPT_SCENARIO[engine.config.block_size]
+    held = pool.allocate(pool.num_free(False) - free_blocks, False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params)
