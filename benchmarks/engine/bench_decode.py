@@ -331,6 +331,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                      "output_tokens_per_s": produced / total, "preemptions": stats["preemptions"] -
                      before["preemptions"], "steps": stats["steps"] - before["steps"],
                      "transitions": stats["transitions"], "kv_blocks": stats["total_blocks"]})
+        print(f"throughput {json.dumps(rows[-1])}", flush=True)  # kept in the log if a time limit cuts the run
         close_engine(engine)
     return {"trace": trace, "prompt_tokens": sum(p for p, _ in lengths), "max_model_len": args.max_model_len,
             "policies": rows}
