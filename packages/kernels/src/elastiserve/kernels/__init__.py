@@ -15,6 +15,9 @@ from elastiserve.kernels.attention_plan import (
 from elastiserve.kernels.formats import Nesting, bf16_to_fp16_checked, choose_nesting
 from elastiserve.kernels.kv_ops import KVLayoutError, kv_demote, kv_promote, kv_write
 from elastiserve.kernels.nested_linear import NestedLinear, NestingReport, nest_model, set_mode
+from elastiserve.kernels.rms_norm import ElementwiseShapeError, fused_add_rms_norm, rms_norm
+from elastiserve.kernels.rotary import rotary_embedding
+from elastiserve.kernels.silu_mul import silu_and_mul
 
 __all__ = [
     "GENERAL",
@@ -23,18 +26,23 @@ __all__ = [
     "AttentionPlan",
     "AttentionPlanBuffers",
     "AttentionPlanConfig",
+    "ElementwiseShapeError",
     "KVLayoutError",
     "NestedLinear",
     "Nesting",
     "NestingReport",
     "bf16_to_fp16_checked",
     "choose_nesting",
+    "fused_add_rms_norm",
     "kv_demote",
     "kv_promote",
     "kv_write",
     "nest_model",
     "paged_attention",
     "plan_attention",
+    "rms_norm",
+    "rotary_embedding",
     "set_mode",
+    "silu_and_mul",
 ]
 __version__ = "0.1.0"

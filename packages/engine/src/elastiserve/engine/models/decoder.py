@@ -41,10 +41,23 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream before adding it). Each residual add is fused into the norm that follows it,
+        so ``hidden`` is the previous layer's MLP output still to be added (the embeddings, with ``residual`` None,
+        for the first layer). Row-parallel outputs are all-reduced inside ``self_attn`` / ``mlp``, before any add."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rotary, ctx)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class CausalLM(nn.Module):
@@ -65,10 +78,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.decoder_layers:
-            hidden = layer(hidden, positions, self.rotary, ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary, ctx)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.forward_with_residual(hidden, residual)[0]  # the last layer's MLP add, fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[B, H] (the rows to sample from) -> logits[B, V] in fp32."""

@@ -1,15 +1,43 @@
-"""Building blocks shared by every decoder: RMSNorm, rotary embedding, GQA attention, SiLU-gated MLP."""
+"""Building blocks shared by every decoder: RMSNorm, rotary embedding, GQA attention, SiLU-gated MLP.
+
+The elementwise work (norms, residual adds, rotary, SiLU-and-mul) runs as fused ``elastiserve::`` ops on a GPU, one
+kernel each where the unfused torch code launched 42 per layer; on the CPU their pure-torch references run, which
+compute exactly what the unfused code did.
+"""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from elastiserve.engine.models.config import ModelConfig, RopeConfig
+from elastiserve.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from elastiserve.kernels.rotary import rotary_embedding_ref
+from elastiserve.kernels.silu_mul import silu_and_mul_ref
+
+# As attention_context.kernel_ops: Triton on the CPU is only interpreted (for the kernel tests), so the CPU gets the
+# references directly rather than through the ops.
+REFERENCE_OPS = SimpleNamespace(
+    rms_norm=rms_norm_ref,
+    fused_add_rms_norm=fused_add_rms_norm_ref,
+    rotary_embedding=rotary_embedding_ref,
+    silu_and_mul=silu_and_mul_ref,
+)
+FUSED_OPS = SimpleNamespace(
+    rms_norm=torch.ops.elastiserve.rms_norm,
+    fused_add_rms_norm=torch.ops.elastiserve.fused_add_rms_norm,
+    rotary_embedding=torch.ops.elastiserve.rotary_embedding,
+    silu_and_mul=torch.ops.elastiserve.silu_and_mul,
+)
+
+
+def elementwise_ops(device: torch.device) -> SimpleNamespace:
+    """rms_norm / fused_add_rms_norm / rotary_embedding / silu_and_mul for tensors on ``device``."""
+    return REFERENCE_OPS if device.type == "cpu" else FUSED_OPS
 
 
 class AttentionContext(Protocol):
@@ -30,9 +58,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, cast back before the weight multiply (the order HF uses, so fp16 outputs agree).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return elementwise_ops(x.device).rms_norm(x, self.weight, self.eps)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add before a norm, fused into it."""
+        return elementwise_ops(x.device).fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -65,13 +95,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_table", angles.cos(), persistent=False)
         self.register_buffer("sin_table", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D], positions: [T]
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.to(x.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hkv, D] (views of the qkv output are fine), positions: [T]
+        return elementwise_ops(q.device).rotary_embedding(positions, q, k, self.cos_table, self.sin_table)
 
 
 class Attention(nn.Module):
@@ -97,7 +123,7 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q), rotary(positions, k)
+        q, k = rotary(positions, q, k)
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -115,5 +141,5 @@ class GatedMLP(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """silu(gate) * up for gate_up[..., 2I] (gate first) -> [..., I]."""
+    return elementwise_ops(gate_up.device).silu_and_mul(gate_up)

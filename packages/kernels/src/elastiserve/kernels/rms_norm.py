@@ -1,0 +1,176 @@
+"""RMSNorm, alone and fused with the residual add before it, as ``elastiserve::`` custom ops.
+
+Math, in HF's order so that fp16 outputs agree with transformers: normalise in fp32
+(``x32 * rsqrt(mean(x32^2) + eps)``), round to the input dtype, THEN multiply by the weight. The fused op first adds
+the residual in the input dtype (one rounding, as ``hidden + residual`` does) and returns that sum as well, so a
+decoder layer reads and writes its residual stream once per norm instead of launching an add and ~8 norm ops.
+
+Every op runs Triton when ``current_platform().kernel_backend == "triton"`` and the pure-torch ``*_ref`` otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from elastiserve.platforms import current_platform
+from elastiserve.platforms.errors import ElastiserveError
+
+
+class ElementwiseShapeError(ElastiserveError, ValueError):
+    """A tensor handed to a fused elementwise op (norm, rotary, SiLU-and-mul) has a shape or layout it cannot take."""
+
+
+MAX_HIDDEN = 65536  # one program holds a whole row in registers; 8192 (Llama-70B) is the largest we serve
+
+
+def _use_triton() -> bool:
+    return current_platform().kernel_backend == "triton"
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,  # [R, N] contiguous
+    residual_out_ptr,  # [R, N] contiguous; written only with HAS_RESIDUAL
+    x_ptr,  # rows of x: row r = (r // rows_inner, r % rows_inner), see _row_layout
+    residual_ptr,  # same row layout as x (its own strides); read only with HAS_RESIDUAL
+    weight_ptr,  # [N]
+    stride_x_outer,
+    stride_x_inner,
+    stride_r_outer,
+    stride_r_inner,
+    rows_inner,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    outer, inner = row // rows_inner, row % rows_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
+        x = x + residual  # in the input dtype: the same single rounding as torch's ``x + residual``
+        tl.store(residual_out_ptr + row * n_cols + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    mean_square = tl.sum(x32 * x32, axis=0) / n_cols
+    normed = (x32 * tl.math.rsqrt(mean_square + eps)).to(x.dtype)  # HF rounds here, before the weight
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    # An fp16 (or bf16) product is exact in fp32, so one rounding here equals the fp16 multiply torch does.
+    out = normed.to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(t, stride_outer, stride_inner, rows_inner) addressing every row of ``t[..., N]`` without a copy where the
+    leading dims allow it: one stride for collapsible dims, two for a 3-d view such as per-head q out of a qkv split."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 1:
+        return t, 0, 0, 1
+    try:
+        rows = t.view(-1, t.shape[-1])
+        return t, rows.stride(0), 0, 1
+    except RuntimeError:
+        pass
+    if t.dim() != 3:
+        t = t.contiguous()
+        return t, t.shape[-1], 0, 1
+    return t, t.stride(0), t.stride(1), t.shape[1]
+
+
+def _num_warps(block: int) -> int:
+    # Enough lanes to keep each thread at ~8 fp16 elements of the row; capped at what the vendor allows.
+    return max(1, min(block // 256, current_platform().max_num_warps))
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    has_residual = residual is not None
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_residual else out
+    n_cols = x.shape[-1]
+    num_rows = x.numel() // n_cols if n_cols else 0
+    if num_rows == 0:
+        return out, residual_out
+    x, sxo, sxi, rows_inner = _row_layout(x)
+    sro, sri = 0, 0
+    if has_residual:
+        residual, sro, sri, r_inner = _row_layout(residual)
+        if r_inner != rows_inner:  # the two split their leading dims differently: give both the plain layout
+            x, residual = x.contiguous(), residual.contiguous()
+            sxo, sxi, sro, sri, rows_inner = n_cols, 0, n_cols, 0, 1
+    block = triton.next_power_of_2(n_cols)
+    _rms_norm_kernel[(num_rows,)](
+        out, residual_out, x, residual if has_residual else x, weight.contiguous(),
+        sxo, sxi, sro, sri, rows_inner, n_cols, eps,
+        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block),
+    )  # fmt: skip
+    return out, residual_out
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    hidden = x.shape[-1] if x.dim() else None
+    if weight.shape != (hidden,):
+        raise ElementwiseShapeError(f"rms_norm weight must be [{hidden}], got {tuple(weight.shape)} for x {x.shape}")
+    if hidden > MAX_HIDDEN:
+        raise ElementwiseShapeError(f"rms_norm rows of {hidden} exceed the {MAX_HIDDEN} one program holds")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ElementwiseShapeError(
+            f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} {tuple(x.shape)}"
+        )
+
+
+@torch.library.custom_op("elastiserve::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x[..., N]`` over its last dim (any leading dims, any strides) times ``weight[N]``.
+
+    Returns a contiguous tensor of ``x``'s shape in ``promote_types(x.dtype, weight.dtype)``.
+    """
+    _check(x, weight)
+    if _use_triton():
+        return _launch(x, None, weight, eps)[0]
+    return rms_norm_ref(x, weight, eps).contiguous()
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.custom_op("elastiserve::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_residual = x + residual`` (in their dtype) and ``out = rms_norm(new_residual, weight, eps)``.
+
+    Returns ``(out, new_residual)``, both contiguous with ``x``'s shape; neither input is modified.
+    """
+    _check(x, weight, residual)
+    if _use_triton():
+        return _launch(x, residual, weight, eps)
+    out, new_residual = fused_add_rms_norm_ref(x, residual, weight, eps)
+    return out.contiguous(), new_residual.contiguous()
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
+
+
+# ------------------------------------------------------------------------------------ pure-torch references
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = residual + x
+    return rms_norm_ref(new_residual, weight, eps), new_residual

@@ -1,0 +1,160 @@
+"""Neox-style (rotate-half) rotary embedding of q and k in one launch, as the ``elastiserve::rotary_embedding`` op.
+
+For each token t at position p and each head: ``(x1, x2) = halves of x[t, h]`` in fp32,
+``out = (x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p])`` cast back to x's dtype. Unfused this is ~12 torch
+ops for q and again for k (table gathers, chunk, four products, two sums, cat, casts); here it is one kernel that
+reads q and k straight out of the qkv projection's split views.
+
+Runs Triton when ``current_platform().kernel_backend == "triton"`` and the pure-torch ``*_ref`` otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from elastiserve.kernels.rms_norm import ElementwiseShapeError
+from elastiserve.platforms import current_platform
+
+TILE_ELEMENTS = 1024  # heads * half-dim per program: 16 heads of dim 128, so 3 programs per Llama-8B token
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # [T, H, D], last dim contiguous
+    out_ptr,  # [T, H, D] contiguous
+    token,
+    first_head,
+    num_heads,
+    stride_t,
+    stride_h,
+    cos,  # [1, BLOCK_HALF] fp32
+    sin,
+    half_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    heads = first_head + tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half_dim)
+    src = x_ptr + token * stride_t + heads * stride_h + dims
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + half_dim, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    dst = out_ptr + (token * num_heads + heads) * (2 * half_dim) + dims
+    tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(dst + half_dim, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_out_ptr,  # [T, Hq, D] contiguous
+    k_out_ptr,  # [T, Hk, D] contiguous
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [T, Hk, D]
+    positions_ptr,  # [T] int32 or int64
+    cos_ptr,  # [max_pos, D / 2] fp32
+    sin_ptr,  # [max_pos, D / 2] fp32
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_table,
+    num_q_heads,
+    num_k_heads,
+    half_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # Grid (T, q head blocks + k head blocks): one launch serves both, and a batch-1 decode still spreads over SMs.
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + position * stride_table + dims, mask=dims < half_dim, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_table + dims, mask=dims < half_dim, other=0.0)
+    if head_block < q_blocks:
+        _rotate_heads(q_ptr, q_out_ptr, token, head_block * BLOCK_H, num_q_heads, stride_qt, stride_qh,
+                      cos, sin, half_dim, BLOCK_H, BLOCK_HALF)  # fmt: skip
+    else:
+        _rotate_heads(k_ptr, k_out_ptr, token, (head_block - q_blocks) * BLOCK_H, num_k_heads, stride_kt, stride_kh,
+                      cos, sin, half_dim, BLOCK_H, BLOCK_HALF)  # fmt: skip
+
+
+def _rotary_triton(positions, q, k, cos_table, sin_table) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos_table, sin_table = cos_table.contiguous(), sin_table.contiguous()
+    block_half = triton.next_power_of_2(head_dim // 2)
+    block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), TILE_ELEMENTS // block_half))
+    grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h))
+    _rotary_kernel[grid](
+        q_out, k_out, q, k, positions, cos_table, sin_table,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_table.stride(0),
+        num_q_heads, num_k_heads, head_dim // 2,
+        BLOCK_H=block_h, BLOCK_HALF=block_half,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+def _check(positions, q, k, cos_table, sin_table) -> None:
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.dtype != q.dtype:
+        raise ElementwiseShapeError(
+            f"rotary q and k must be [T, H, D] of one dtype, same T and D; got q {q.dtype} {tuple(q.shape)}, "
+            f"k {k.dtype} {tuple(k.shape)}"
+        )
+    half = q.shape[2] // 2
+    if q.shape[2] % 2 or positions.shape != (q.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
+        raise ElementwiseShapeError(
+            f"rotary needs an even head dim and int positions [T]; got D={q.shape[2]}, positions {positions.dtype} "
+            f"{tuple(positions.shape)}"
+        )
+    for table in (cos_table, sin_table):
+        if table.dim() != 2 or table.shape[1] != half or table.dtype != torch.float32:
+            raise ElementwiseShapeError(f"rotary tables must be fp32 [max_pos, {half}], got {table.dtype} "
+                                        f"{tuple(table.shape)}")  # fmt: skip
+
+
+@torch.library.custom_op("elastiserve::rotary_embedding", mutates_args=())
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q[T, Hq, D]`` and ``k[T, Hk, D]`` (any strides, e.g. views of a qkv split) at ``positions[T]``.
+
+    ``cos_table`` / ``sin_table``: fp32 ``[max_pos, D / 2]``; positions must be below ``max_pos`` (not checked:
+    that would read them back to the host). Returns contiguous ``(q_out, k_out)`` in q's dtype.
+    """
+    _check(positions, q, k, cos_table, sin_table)
+    if current_platform().kernel_backend == "triton":
+        return _rotary_triton(positions, q, k, cos_table, sin_table)
+    return rotary_embedding_ref(positions, q, k, cos_table, sin_table)
+
+
+@rotary_embedding.register_fake
+def _(positions, q, k, cos_table, sin_table):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+# ------------------------------------------------------------------------------------ pure-torch reference
+
+
+def rotate_ref(positions: torch.Tensor, x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor):
+    cos = cos_table[positions].unsqueeze(1)
+    sin = sin_table[positions].unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotate_ref(positions, q, cos_table, sin_table), rotate_ref(positions, k, cos_table, sin_table)
