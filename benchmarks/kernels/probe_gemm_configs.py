@@ -53,25 +53,28 @@ def time_merged(x, weights) -> float:
                                                                           Nesting.E4M3) for c in weights])
 
 
-def probe_decode(name: str, n: int, k: int, weights, out: list) -> None:
+DECODE_MODES = ("full", "full_ptx", "weight_only", "weight_only_ptx", "fp8")
+
+
+def probe_decode(name: str, n: int, k: int, weights, out: list, modes=DECODE_MODES) -> None:
     for m in (1, 16):
         x = torch.randn(m, k, device="cuda").half()
         fp16 = time_torch(x, weights)
         for bn, bk, warps, stages in DECODE_CANDIDATES:
             config = with_split(G(16, bn, bk, num_warps=warps, num_stages=stages), m, n, k)
             row = {"shape": name, "M": m, "config": asdict(config), "torch_fp16_us": fp16}
-            for mode in ("full", "full_ptx", "weight_only", "fp8"):
+            for mode in modes:
                 try:
-                    if mode == "full_ptx":  # the packed-word PTX decode (weight_decode.decode_weight_tile_ptx)
-                        row[mode] = time_ours(x, weights, "full", replace(config, ptx_decode=True))
+                    if mode.endswith("_ptx"):  # the packed-word PTX decode (weight_decode.decode_weight_tile_ptx)
+                        row[mode] = time_ours(x, weights, mode.removesuffix("_ptx"), replace(config, ptx_decode=True))
                     else:
-                        row[mode] = time_ours(x, weights, mode, config)
+                        row[mode] = time_ours(x, weights, mode, replace(config, ptx_decode=False))
                 except Exception as exc:  # out of shared memory on this GPU, say
                     row[mode] = None
                     row[f"{mode}_error"] = str(exc)[:200]
             out.append(row)
             cells = "  ".join(f"{mo} {row[mo]:7.1f} ({fp16 / row[mo]:.2f}x)" if row[mo] else f"{mo} failed"
-                              for mo in ("full", "full_ptx", "weight_only", "fp8"))
+                              for mo in modes)
             print(f"{name:8s} M={m:3d} {bn:4d}x{bk:4d} w{warps} s{stages} split{config.split_k}  fp16 {fp16:7.1f}  "
                   f"{cells}", flush=True)
 
@@ -92,13 +95,14 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--parts", nargs="*", default=["decode", "prefill"], choices=["decode", "prefill"])
+    parser.add_argument("--modes", nargs="*", default=list(DECODE_MODES), choices=DECODE_MODES, help="decode part")
     args = parser.parse_args()
     decode, prefill = [], []
     for name in args.shapes:
         n, k = SHAPES[name]
         weights = make_weights(n, k, copies_for(n * k * 2))
         if "decode" in args.parts:
-            probe_decode(name, n, k, weights, decode)
+            probe_decode(name, n, k, weights, decode, args.modes)
         if "prefill" in args.parts:
             probe_prefill(name, n, k, weights, prefill)
         del weights
