@@ -20,8 +20,8 @@ BACKGROUND=$!
     tests/kernels/test_nested_moe.py tests/kernels/test_weight_decode.py tests/memory tests/platforms; } \
   > $OUT/test-cuda-rest.log 2>&1
 tail -3 $OUT/test-cuda-rest.log
-CUDA_VISIBLE_DEVICES=0 timeout 190 python3 benchmarks/serving/headline.py --setting moe --scale 0.25 --requests 80 \
-  --rate 4 --policies static-fp16 dps --max-duration 50 --no-progress --out $OUT/moe > $OUT/moe.log 2>&1
+CUDA_VISIBLE_DEVICES=0 timeout 250 python3 benchmarks/serving/headline.py --setting moe --scale 0.25 --requests 80 \
+  --rate 4 --policies static-fp16 dps --max-duration 70 --no-progress --out $OUT/moe > $OUT/moe.log 2>&1
 tail -8 $OUT/moe.log
 tar czf $OUT/moe.tgz -C $OUT moe moe.log && rm -rf $OUT/moe
 wait $BACKGROUND
