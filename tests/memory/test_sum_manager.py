@@ -30,6 +30,16 @@ def test_unit_size_choice_and_block_layout():
     assert choose_unit_bytes(2 * MiB, 2 * MiB) == 2 * MiB  # Llama-3.1-8B, 16-token blocks: no loss
     assert dead_block_fraction(8192, 1536) == 0.125
     assert choose_unit_bytes(1536, 4096, target=8192) == 8192
+    # Qwen3-30B-A3B, 16-token blocks: 1.5 MiB. In 2 MiB units every third unit would hold no whole block; 6 MiB
+    # units hold four each with none lost.
+    assert choose_unit_bytes(3 * MiB // 2, 2 * MiB) == 6 * MiB
+
+
+@pytest.mark.parametrize("block_bytes", [1536, 3 * MiB // 2, 5 * MiB // 4, 3 * MiB, 2 * MiB - 2, 786432 + 2])
+def test_chosen_unit_always_holds_a_whole_block(block_bytes):
+    unit = choose_unit_bytes(block_bytes, 2 * MiB)
+    lists = unit_block_lists(64, unit, block_bytes)
+    assert unit % (2 * MiB) == 0 and all(lists), (unit, [len(x) for x in lists][:8])
     lists = unit_block_lists(6, 4096, 1536)
     alive = sum(map(len, lists))
     assert lists[0] == [0, 1] and lists[1] == [3, 4] and lists[2] == [6, 7]

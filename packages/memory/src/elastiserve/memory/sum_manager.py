@@ -35,12 +35,25 @@ def dead_block_fraction(unit_bytes: int, block_bytes: int) -> float:
     return (period // unit_bytes - 1) * block_bytes / period
 
 
+def every_unit_holds_a_block(unit_bytes: int, block_bytes: int) -> bool:
+    """Under a uniform block stride, whether every unit wholly contains at least one block. Unit starts fall on every
+    multiple g of gcd(unit, block) modulo the block size; the worst one (g past a block edge) needs
+    ``block - g`` bytes to reach the next edge plus a whole block."""
+    return unit_bytes >= 2 * block_bytes - math.gcd(unit_bytes, block_bytes)
+
+
 def choose_unit_bytes(block_bytes: int, granularity: int, target: int = 2 * MiB) -> int:
     """The multiple of ``granularity`` in ``[block_bytes, max(target, block_bytes)]`` (rounded up to granularity)
-    losing the fewest blocks to straddling; ties go to the size nearest ``target``."""
+    losing the fewest blocks to straddling, every unit holding a whole block; ties go to the size nearest ``target``.
+    If no size in that range qualifies (Qwen3-30B-A3B: 1.5 MiB blocks in 2 MiB units leave every third unit
+    empty), the range widens up to four blocks past it."""
     smallest = -(-max(block_bytes, granularity) // granularity)
     largest = max(smallest, -(-target // granularity))
     sizes = [k * granularity for k in range(smallest, largest + 1)]
+    sizes = [u for u in sizes if every_unit_holds_a_block(u, block_bytes)] or [
+        k * granularity for k in range(largest + 1, largest + 2 + -(-4 * block_bytes // granularity))
+        if every_unit_holds_a_block(k * granularity, block_bytes)
+    ]
     return min(sizes, key=lambda u: (round(dead_block_fraction(u, block_bytes), 12), abs(u - target)))
 
 
