@@ -30,7 +30,6 @@ import math
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from elastiserve.engine.bench.results import git_commit
 from elastiserve.engine.config import POLICIES, EngineConfig
 from elastiserve.engine.llm_engine import LLMEngine
 from elastiserve.engine.runner import ModelRunner, StepInputs
@@ -80,11 +80,7 @@ def close_engine(engine) -> None:
 def metadata(args: argparse.Namespace) -> dict[str, Any]:
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit = git_commit(Path(__file__).resolve().parent)
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")}
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "python":

@@ -7,4 +7,6 @@ if [ -d .whl ]; then
   export PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# The device's copy of .git can be stale: write `git rev-parse HEAD > .carry/COMMIT` here before each call.
+if [ -f .carry/COMMIT ]; then export ELASTISERVE_SOURCE_COMMIT=$(cat .carry/COMMIT); fi
 mkdir -p "${OUT:-/tmp/out}"

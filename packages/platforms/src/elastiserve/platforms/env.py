@@ -27,6 +27,9 @@ class EnvSettings:
     cache_dir: Path = Path.home() / ".cache" / "elastiserve"
     log_level: str = "info"
     trace_dir: Path | None = None  # searched for request traces before ../shared/traces (GPU runs carry a copy)
+    # The commit benchmark results record. GPU copies of the tree can carry stale git metadata (two H200 runs
+    # recorded an older HEAD than the tree they ran), so ci/gpu/bootstrap.sh passes the one written before the call.
+    source_commit: str | None = None
 
     def __post_init__(self) -> None:
         for field, choices in _CHOICES.items():
@@ -44,11 +47,14 @@ def parse(environ: dict[str, str] | os._Environ) -> EnvSettings:
         if PREFIX + key in environ:
             value = environ[PREFIX + key].strip()
             is_path = key in ("CACHE_DIR", "TRACE_DIR")
-            kwargs[key.lower()] = Path(value).expanduser() if is_path else value.lower()
+            if is_path:
+                kwargs[key.lower()] = Path(value).expanduser()
+            else:
+                kwargs[key.lower()] = value if key == "SOURCE_COMMIT" else value.lower()
     return EnvSettings(**kwargs)
 
 
-_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL", "TRACE_DIR")
+_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL", "TRACE_DIR", "SOURCE_COMMIT")
 
 
 @functools.cache

@@ -92,6 +92,11 @@ def capacity(summaries: list[dict[str, Any]]) -> float:
 
 
 def git_commit(cwd: Path | None = None) -> str:
+    """ELASTISERVE_SOURCE_COMMIT when set (GPU copies of the tree), else the checkout's HEAD."""
+    from elastiserve.platforms.env import settings
+
+    if settings().source_commit:
+        return settings().source_commit
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).parent, capture_output=True,
                              text=True, timeout=10, check=True)
