@@ -27,6 +27,7 @@ def test_paper_defaults():
         lambda: KVFidelityConfig(reserve_decay=-1),
         lambda: KVFidelityConfig(demotion_trigger="sometimes"),
         lambda: KVFidelityConfig(promotion="lazy"),
+        lambda: KVFidelityConfig(f_post="after-admission"),
         lambda: KVFidelityConfig(max_base_fraction=1.5),
         lambda: PrecisionConfig(kappa_low=0.9, kappa_high=0.8),
         lambda: PrecisionConfig(granularity="head"),

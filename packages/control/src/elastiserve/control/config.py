@@ -9,6 +9,7 @@ from elastiserve.platforms import ConfigError
 
 DEMOTION_TRIGGERS = ("shortage", "watermark")
 PROMOTION_POLICIES = ("reserve", "eager", "none")
+F_POST_RULES = ("committed", "free")
 GRANULARITIES = ("model", "layer")
 MECHANISMS = ("demote", "evict", "preempt")
 PRESETS = ("static-fp16", "static-fp8", "dps", "elastickv", "combined")
@@ -25,9 +26,11 @@ class KVFidelityConfig:
 
     ``demotion_trigger="watermark"`` and ``promotion`` in {"eager", "none"} are the paper's ablation variants.
     ``max_base_fraction`` caps BASE pairs as a fraction of all resident pairs (1.0 = no cap).
-    ``reserve_queued_demand`` counts the prompts of queued requests that fit in free sequence slots as committed
-    capacity when computing F_post (our reading of 'after required scheduling' under chunked prefill: otherwise
-    promotions take blocks that the next steps' admissions need, and demotion follows at once).
+    ``f_post``: the free capacity F_post that promotion may spend. ``"committed"`` (default, our design) subtracts
+    what progress has already committed to: the remaining chunks of admitted prompts and the prompts of queued
+    requests that fit in free sequence slots (otherwise promotions take blocks that the next steps' admissions need,
+    and demotion follows at once). ``"free"`` is the paper's F_post, the free blocks left after scheduling: a queued
+    prompt gets only what promotion has not taken, and only the reserve R_t protects it.
     ``demand_includes_admissions``: whether the dry-run demand D_t counts the blocks of requests the step would
     newly admit. Off (default), demotion only protects running work from preemption, as vLLM's native scheduler
     admits a request only into free blocks; on, demotion also makes room for admissions (higher BASE exposure).
@@ -42,7 +45,7 @@ class KVFidelityConfig:
     promotion: str = "reserve"
     max_base_fraction: float = 1.0
     max_promotions_in_flight: int = 64
-    reserve_queued_demand: bool = True
+    f_post: str = "committed"
     demand_includes_admissions: bool = False
 
     def __post_init__(self) -> None:
@@ -52,6 +55,7 @@ class KVFidelityConfig:
         _require(self.demotion_trigger in DEMOTION_TRIGGERS, f"demotion_trigger must be one of {DEMOTION_TRIGGERS}")
         _require(self.watermark >= 0, f"watermark must be >= 0, got {self.watermark}")
         _require(self.promotion in PROMOTION_POLICIES, f"promotion must be one of {PROMOTION_POLICIES}")
+        _require(self.f_post in F_POST_RULES, f"f_post must be one of {F_POST_RULES}")
         _require(0.0 <= self.max_base_fraction <= 1.0, "max_base_fraction must lie in [0, 1]")
         _require(self.max_promotions_in_flight >= 1, "max_promotions_in_flight must be >= 1")
 

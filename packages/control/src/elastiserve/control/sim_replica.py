@@ -135,14 +135,12 @@ class Replica:
         return demand is not None and demand > free
 
     def _committed_blocks(self) -> int:
-        """Capacity that progress already needs: the rest of admitted prefills, plus (when configured) the prompts of
-        queued requests that would fit in free sequence slots. Promotion must not take it (it is opportunistic)."""
+        """Capacity that progress already needs: the rest of admitted prefills and the prompts of queued requests that
+        would fit in free sequence slots."""
         bs = self.rc.block_size
         committed = sum(s.remaining_prefill_blocks(bs) for s in self.running)
-        if self.control.kv.reserve_queued_demand:
-            slots = max(0, self.rc.max_num_seqs - len(self.running))
-            committed += sum(-(-s.prefill_target // bs) for s in islice(self.waiting, slots))
-        return committed
+        slots = max(0, self.rc.max_num_seqs - len(self.running))
+        return committed + sum(-(-s.prefill_target // bs) for s in islice(self.waiting, slots))
 
     def _restorable(self, evicted: frozenset[int]) -> tuple[int, ...]:
         """Restorable layers, asked of the pool only when the precision policy could restore at all."""
@@ -154,7 +152,8 @@ class Replica:
         return self.pool.plan_restore()
 
     def observe(self, demand: int | None, required: int, detail: bool = False, f_post: bool = False) -> StepObservation:
-        """With ``f_post`` the free count is ElasticKV's F_post: free blocks minus those admitted prefills will take."""
+        """With ``f_post`` the free count is ElasticKV's F_post under ``KVFidelityConfig.f_post``: free blocks, less
+        the committed ones under the "committed" rule (promotion is opportunistic and must not take them)."""
         bs, kv = self.rc.block_size, self.control.kv
         eligible = resident = 0
         if detail:
@@ -164,7 +163,7 @@ class Replica:
         promoting = sum(len(s.promoting) for s in self.running) if self.promotions else 0
         evicted = self.pool.evicted_layers()
         free = self.pool.free_block_count()
-        if f_post:
+        if f_post and kv.f_post == "committed":
             free = max(0, free - self._committed_blocks())
         return StepObservation(
             step=self.step, now=self.now, free_blocks=free,

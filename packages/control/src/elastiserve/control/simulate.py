@@ -6,15 +6,19 @@ The ElasticKV ablation setting (paper App. C.6, lengths scaled 4x down), a close
 
     python -m elastiserve.control.simulate --fixed 1024:256:600 --max-concurrency 38 --native-blocks 2560 \
         --max-num-batched-tokens 2048 --presets elastickv --ablations
+
+``--f-post free`` runs every configuration with the paper's F_post (free blocks after scheduling) instead of ours
+(free blocks less the capacity admitted and queued prompts are committed to); see the package README.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from elastiserve.control.config import PRESETS, ControlConfig, preset
+from elastiserve.control.config import F_POST_RULES, PRESETS, ControlConfig, preset
 from elastiserve.control.metrics import format_table
 from elastiserve.control.sim_replica import ReplicaConfig
 from elastiserve.control.simulator import SimConfig, simulate
@@ -33,6 +37,11 @@ def ablation(name: str) -> ControlConfig:
     """ElasticKV with one mechanism changed (paper App. C.7)."""
     base = preset("elastickv").with_kv(**ABLATIONS[name])
     return ControlConfig(name=name, kv=base.kv, precision=base.precision, arbiter=base.arbiter)
+
+
+def with_f_post(config: ControlConfig, rule: str) -> ControlConfig:
+    """The same configuration (and name) with F_post computed by ``rule`` (``KVFidelityConfig.f_post``)."""
+    return replace(config, kv=replace(config.kv, f_post=rule))
 
 
 def parse_window(text: str) -> tuple[int, int | None]:
@@ -64,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--presets", default="all", help=f"comma list of {PRESETS} or 'all'")
     p.add_argument("--ablations", action="store_true", help="also run the ElasticKV ablation variants")
+    p.add_argument(
+        "--f-post",
+        default="committed",
+        choices=F_POST_RULES,
+        help="promotion budget: free blocks less committed prompts (ours) or free blocks (the paper's)",
+    )
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--router", default="least-loaded", choices=("least-loaded", "round-robin"))
     p.add_argument("--native-blocks", type=int, default=4096, help="FP16 KV budget per replica, in blocks")
@@ -85,6 +100,7 @@ def main(argv: list[str] | None = None) -> str:
                               time_scale=args.time_scale, trace_dir=args.trace_dir)
     names = list(PRESETS) if args.presets == "all" else [n.strip() for n in args.presets.split(",")]
     configs = [preset(n) for n in names] + ([ablation(a) for a in ABLATIONS] if args.ablations else [])
+    configs = [with_f_post(c, args.f_post) for c in configs]
     sim = SimConfig(
         replica=ReplicaConfig(native_blocks=args.native_blocks, units_per_layer=args.units_per_layer,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
