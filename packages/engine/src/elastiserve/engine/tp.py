@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -62,6 +63,10 @@ def init_tp(rank: int, world_size: int, init_method: str, device_type: str, time
     ``timeout_s`` bounds the rendezvous and every collective (None: torch's default)."""
     if device_type == "cuda":
         torch.cuda.set_device(rank)
+        # Every rank is on this host, so NCCL's bootstrap sockets belong on loopback. Left to itself NCCL picks the
+        # first non-loopback interface, which on an isolated host may route nowhere; unverified as the cause, but
+        # the two-H200 TP runs stalled without output (BENCHMARKS.md). A user's own setting wins.
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         backend, device = "nccl", torch.device("cuda", rank)
     elif device_type == "cpu":
         backend, device = "gloo", torch.device("cpu")
