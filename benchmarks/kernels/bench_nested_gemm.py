@@ -169,7 +169,7 @@ def bench_moe(token_values) -> list[dict]:
         h = torch.randn(t, inter, device="cuda").half()
         offsets = [route(tokens, experts, top_k, seed) for seed in range(copies)]
         times = time_moe_modes(x, h, layers, offsets)
-        fast_mode = nested_gemm.fast_mode_for(t)
+        fast_mode = nested_gemm.fast_mode_for(t, grouped=True)
         times["ours_fast"] = times[f"ours_{fast_mode}"]
         row = {"shape": f"{MOE['name']}.experts", "tokens": tokens, "rows": t, "fast_mode": fast_mode, "us": times,
                "fast_vs_full": times["ours_full"] / times["ours_fast"]}

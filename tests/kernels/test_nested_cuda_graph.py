@@ -62,6 +62,6 @@ def test_nested_moe_graph_replay(device, fast):
     offsets[1:] = torch.tensor([50, 50, 51, 90, 120, 121, 180, 200], device=device)
     graph.replay()
     torch.cuda.synchronize()
-    mode = "full" if not fast else nested_moe.fast_mode_for(rows)
+    mode = "full" if not fast else nested_moe.fast_mode_for(rows, grouped=True)
     want = nested_moe.nested_moe_ref(static_x, upper, lower, offsets, 1, mode)
     assert torch.allclose(static_y, want, rtol=1e-2, atol=1e-2)

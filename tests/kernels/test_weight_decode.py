@@ -13,7 +13,9 @@ from elastiserve.platforms import ConfigError
 WEIGHT_STD = {Nesting.E4M3: 0.05, Nesting.E5M2: 4.0}
 TILES = [GemmConfig(16, 64, 128, num_stages=6, ptx_decode=True),
          GemmConfig(16, 128, 256, num_warps=8, num_stages=3, split_k=4, ptx_decode=True),
-         GemmConfig(64, 64, 128, num_stages=4, swap_ab=False, ptx_decode=True)]
+         GemmConfig(64, 64, 128, num_stages=4, swap_ab=False, ptx_decode=True),
+         GemmConfig(16, 32, 256, num_stages=4, split_k=2, ptx_decode=True),  # the sm90 decode rows (configs.py)
+         GemmConfig(16, 128, 128, num_stages=4, ptx_decode=True)]
 
 
 def _problem(m, n, k, nesting, device):

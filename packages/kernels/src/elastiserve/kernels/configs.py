@@ -71,6 +71,12 @@ LONG_K = 8192
 # from 0.45x to 0.87x of fp16 at M = 1 (0.86x / 0.85x at M = 16) on the H200, the best of seven tiles for both K
 # (benchmarks/kernels/results/h200-gemm-config-probe-run2.json); the portable decode on the same tile: 0.33x / 0.26x.
 _DECODE_FULL = _G(16, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
+# Weight-only decode (fast mode up to 16 rows on sm90, nested_gemm.FP8_MIN_M) with the PTX decode: 32x256 for K = 4096
+# (qkv M=1 13.2 us = 1.25x fp16) and 128x128 for K >= 8192 (down M=1 28.0 us = 1.18x), best of seven tiles in
+# h200-gemm-config-probe-run3 (the portable decode's best: 0.87x / 0.91x).
+_DECODE_WEIGHT_ONLY = _G(16, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
+_DECODE_LONG_K_BY_MODE = {"weight_only": _G(16, 128, 128, num_warps=4, num_stages=4, ptx_decode=True),
+                          "fp8": DECODE_LONG_K}
 
 _SM90: dict[str, dict[int, GemmConfig]] = {
     "full": {
@@ -82,8 +88,8 @@ _SM90: dict[str, dict[int, GemmConfig]] = {
         4096: _G(256, 128, 64, num_warps=8, num_stages=3),
     },
     "weight_only": {
-        1: _DECODE,
-        16: _DECODE,
+        1: _DECODE_WEIGHT_ONLY,
+        16: _DECODE_WEIGHT_ONLY,
         64: _G(64, 64, 128, num_warps=4, num_stages=5),
         256: _G(64, 128, 128, num_warps=4, num_stages=4),
         1024: _G(128, 128, 64, num_warps=8, num_stages=4),
@@ -151,8 +157,8 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) ->
     if tuned is not None:
         return tuned
     config = TABLES.get(arch, _SM80)[mode][bucket]
-    if arch == "sm90" and bucket <= 16 and k >= LONG_K and mode != "full":  # 221 KB of stages: sm90 only
-        config = DECODE_LONG_K
+    if arch == "sm90" and bucket <= 16 and k >= LONG_K and mode in _DECODE_LONG_K_BY_MODE:  # sm90 smem only
+        config = _DECODE_LONG_K_BY_MODE[mode]
     if arch != "cpu" and bucket <= 64:
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         split = _split_for_occupancy(tiles, -(-k // config.block_k), num_sms)

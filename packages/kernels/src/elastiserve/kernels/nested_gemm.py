@@ -28,10 +28,13 @@ from elastiserve.platforms.env import triton_interpret
 
 FULL, WEIGHT_ONLY, FP8 = 0, 1, 2
 MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
-# On the H200 the fp8 MMA path (activation quantization included) beat the weight-only path at every M measured,
-# e.g. qkv 6144x4096 at M=1: 15.2 us vs 23.3 us, gate_up 28672x4096 at M=16: 41.5 vs 75.8
-# (benchmarks/kernels/results/h200-nested-gemm-run1.json), so fp8-capable GPUs take it from the first row.
-FP8_MIN_M = 1
+# Where fast mode switches from the weight-only path (fp16 activations) to fp8 MMA (per-token activation
+# quantization: one more launch and one more rounding). With the portable decode fp8 won at every M on the H200
+# (qkv 6144x4096 at M=1: 15.2 us vs 23.3 us; h200-nested-gemm-run1.json), so fp8-capable GPUs take it from the first
+# row. On sm90 the weight-only path with the PTX decode on narrow tiles matched or beat fp8 at decode sizes, side by
+# side (h200-gemm-config-probe-run3: qkv M=1 13.2 vs 13.4 us, M=16 13.1 vs 13.9; down M=1 28.0 vs 28.0, M=16 28.7 vs
+# 29.0), so sm90 keeps fp16 activations up to 16 rows. The grouped MoE GEMM was not probed that way: fp8 from row 1.
+FP8_MIN_M = {"sm90": 17}
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 _SCALE_FLOOR = 1e-8
 
@@ -233,10 +236,11 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     return out
 
 
-def fast_mode_for(m: int) -> str:
-    """Which fast-mode kernel this platform runs for an M-row input."""
+def fast_mode_for(m: int, *, grouped: bool = False) -> str:
+    """Which fast-mode kernel this platform runs for an M-row input (``grouped``: the MoE GEMM's rows)."""
     platform = current_platform()
-    if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= FP8_MIN_M:
+    min_m = 1 if grouped else FP8_MIN_M.get(platform.arch, 1)
+    if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= min_m:
         return "fp8"
     return "weight_only"
 

@@ -149,7 +149,7 @@ def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Te
 @torch.library.custom_op("elastiserve::nested_moe", mutates_args=())
 def nested_moe_op(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
                   nesting: int, fast: bool, weight_exp: int = 0) -> torch.Tensor:
-    mode = fast_mode_for(x_sorted.shape[0]) if fast else "full"
+    mode = fast_mode_for(x_sorted.shape[0], grouped=True) if fast else "full"
     if current_platform().kernel_backend == "reference":
         return nested_moe_ref(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz(),
                               weight_exp=weight_exp)
