@@ -4,15 +4,18 @@
   runs, accents, CJK, emoji, special tokens); decode(encode(text)) == text.
 - The chat template renders exactly what transformers' apply_chat_template renders.
 - The incremental detokenizer's deltas concatenate to the full decode, also when one character spans tokens.
+- Stop strings found incrementally stop where a search of the full decode does.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import transformers
 
 from elastiserve.engine.loader import smollm2_dir, smollm2_gguf_path
-from elastiserve.engine.tokenizer import ChatTemplateError, Tokenizer
+from elastiserve.engine.tokenizer import ChatTemplateError, StopStringMatcher, Tokenizer
 
 pytestmark = [pytest.mark.cpu]
 
@@ -106,3 +109,32 @@ def test_incremental_detokenizer_in_chunks_and_special_tokens(tokenizer):
     chunks = [output[i : i + 3] for i in range(0, len(output), 3)]
     text = "".join(detok.add(chunk) for chunk in chunks) + detok.flush()
     assert text == tokenizer.decode(output) == "Paris 🇫🇷 est la capitale."
+
+
+def naive_stop_cut(tokenizer, output_ids, stops):
+    """What the engine did before: decode the whole output each step and search all of it."""
+    text = tokenizer.decode(output_ids)
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (min(hits), text[: min(hits)]) if hits else (None, None)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stop_string_matcher_equals_the_full_decode_search(tokenizer, seed):
+    """Token by token, the incremental matcher stops at the same step and cuts the same text as searching the full
+    decode, for stop strings taken from the text itself (so they do occur, often across token boundaries, including
+    multi-byte characters)."""
+    rng = random.Random(seed)
+    text = rng.choice([t for t in SAMPLE if len(t) > 8]) * 3
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    full = tokenizer.decode(ids)
+    start = rng.randrange(len(full) // 3, len(full) - 4)
+    stops = [full[start : start + rng.randint(1, 6)], "\x00never"]
+    matcher = StopStringMatcher(tokenizer, stops)
+    for n in range(1, len(ids) + 1):
+        want_cut, want_text = naive_stop_cut(tokenizer, ids[:n], stops)
+        got = matcher.add(ids[:n])
+        if want_cut is not None or got is not None:
+            assert got == want_cut and matcher.text[:got] == want_text, (n, stops)
+            break
+    else:
+        pytest.fail(f"no stop found for {stops!r}")

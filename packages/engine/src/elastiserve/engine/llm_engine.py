@@ -23,6 +23,7 @@ from elastiserve.engine.runner import ModelRunner
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
+from elastiserve.engine.tokenizer import StopStringMatcher
 from elastiserve.platforms import ConfigError
 
 __all__ = ["CompletionResult", "LLMEngine", "RequestOutput"]
@@ -91,6 +92,7 @@ class LLMEngine:
         self._restore_layers: tuple[int, ...] | None = None
         self._seq_ids = itertools.count()
         self._seq_index: dict[str, int] = {}
+        self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings
         self.runner.warm_up()
 
     @property
@@ -140,6 +142,7 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         self._seq_index.pop(seq.request_id, None)
+        self._stop_matchers.pop(seq.request_id, None)
         self.runner.release_request(seq.request_id)
 
     # ---- the step --------------------------------------------------------------------------------------------
@@ -204,10 +207,12 @@ class LLMEngine:
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.output_text = text[:cut]
+            matcher = self._stop_matchers.get(seq.request_id)
+            if matcher is None:
+                matcher = self._stop_matchers[seq.request_id] = StopStringMatcher(self.tokenizer, params.stop)
+            cut = matcher.add(seq.output_token_ids)
+            if cut is not None:
+                seq.output_text = matcher.text[:cut]
                 return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -128,6 +128,33 @@ class IncrementalDetokenizer:
         return delta
 
 
+class StopStringMatcher:
+    """Finds the first stop string in a sequence's output text as tokens arrive, in O(1) per token: the text grows by
+    incremental-detokenizer deltas and only the delta plus ``len(longest stop) - 1`` characters before it are searched
+    (earlier text was searched when it arrived). Decoding the whole output each step made stop strings cost O(n)
+    per token."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.detokenizer = tokenizer.detokenizer()
+        self.consumed = 0  # output tokens fed so far
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    def add(self, output_token_ids: Sequence[int]) -> int | None:
+        """Feed the output so far (only the unseen tail is decoded); the index in ``text`` where the first stop
+        string starts, or None."""
+        before = len(self.detokenizer.text)
+        self.detokenizer.add(output_token_ids[self.consumed :])
+        self.consumed = len(output_token_ids)
+        start = max(0, before - self.longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise ChatTemplateError(message)
