@@ -68,6 +68,10 @@ def test_protected_pairs_are_sinks_recent_and_partial(num_tokens, expected):
     kv = KVManager(sum_pool(num_units=12), BS, num_host_slots=16, sink_pairs=1, recent_pairs=2)
     seq = filled(kv, make_seq("a", num_tokens))
     assert kv.demotable_pairs(seq) == expected
+    assert kv.num_demotable_pairs(seq) == len(expected)
+    kv.release_demoted([kv.demote(seq, 2)])  # a BASE pair in the middle is no longer demotable
+    assert kv.demotable_pairs(seq) == [p for p in expected if p != 2]
+    assert kv.num_demotable_pairs(seq) == len(expected) - 1
 
 
 def test_demote_lists_packed_block_for_both_and_frees_b():

@@ -186,6 +186,15 @@ class KVManager:
         end = self.num_complete_pairs(seq) - self.recent_pairs
         return [p for p in range(self.sink_pairs, end) if seq.pair_states[p] is PairState.TARGET]
 
+    def num_demotable_pairs(self, seq: Sequence) -> int:
+        """``len(demotable_pairs(seq))`` without building the list (every step's observation counts them)."""
+        end = self.num_complete_pairs(seq) - self.recent_pairs
+        if end <= self.sink_pairs:
+            return 0
+        if not seq.has_base_pairs():
+            return end - self.sink_pairs
+        return seq.pair_states[self.sink_pairs : end].count(PairState.TARGET)
+
     def demotion_candidates(self, seqs: Iterable[Sequence]) -> list[tuple[Sequence, int]]:
         """Eligible pairs, most recently arrived requests first; within one, the oldest middle pair first, so the
         BASE region stays one contiguous run after the sinks (TARGET-BASE-TARGET, the structured path)."""
@@ -250,11 +259,16 @@ class KVManager:
     # ---- attention metadata and exposure ---------------------------------------------------------------------
     @staticmethod
     def pair_modes(seq: Sequence) -> list[int]:
-        """1 for a pair readers must treat as BASE (BASE or PROMOTING), 0 for TARGET."""
+        """1 for a pair readers must treat as BASE (BASE or PROMOTING), 0 for TARGET; ``[]`` when every pair is
+        TARGET (pairs past the end of the list read as TARGET, so the common case costs no per-pair list)."""
+        if not seq.has_base_pairs():
+            return []
         return [0 if s is PairState.TARGET else 1 for s in seq.pair_states]
 
     def base_tokens(self, seq: Sequence, seq_len: int) -> int:
         """KV tokens among the first ``seq_len`` that attention reads from BASE pairs."""
+        if not seq.has_base_pairs():
+            return 0
         pair_tokens = 2 * self.block_size
         return sum(max(0, min(seq_len, (p + 1) * pair_tokens) - p * pair_tokens) for p in seq.base_pairs())
 

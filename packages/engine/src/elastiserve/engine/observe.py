@@ -19,7 +19,7 @@ def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, de
     state = runner.pool.block_pool.state
     running = scheduler.running
     per_layer = state.residual_layers()
-    eligible = sum(len(kv.demotable_pairs(s)) for s in running) if kv.num_free_slots else 0
+    eligible = sum(kv.num_demotable_pairs(s) for s in running) if kv.num_free_slots else 0
     base = kv.counts()["base_pairs"]
     return StepObservation(
         step=step,

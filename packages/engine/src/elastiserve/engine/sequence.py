@@ -80,7 +80,14 @@ class Sequence:
     def pair_of(self, logical_block: int) -> int:
         return logical_block // 2
 
+    def has_base_pairs(self) -> bool:
+        # list.count runs in C: the per-step checks stay cheap for the common all-TARGET sequence (~35 pairs at 1k
+        # tokens; the Python scans this replaces were a third of a batch-64 decode step's host time).
+        return self.pair_states.count(PairState.TARGET) != len(self.pair_states)
+
     def base_pairs(self) -> list[int]:
+        if not self.has_base_pairs():
+            return []
         return [p for p, s in enumerate(self.pair_states) if s is not PairState.TARGET]
 
     def reset_for_recompute(self) -> None:

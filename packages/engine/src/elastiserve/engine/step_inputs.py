@@ -4,9 +4,11 @@ preallocated device buffers they are copied into (eager steps use prefixes, CUDA
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from elastiserve.engine.attention_context import AttentionMetadata
@@ -85,10 +87,8 @@ class InputBuffers:
         _fill(self.slot_mapping, inputs.slots + [-1] * pad)
         _fill(self.query_start_loc, qsl)
         _fill(self.seq_lens, inputs.seq_lens + [1] * pad)
-        table = torch.zeros((padded, self.max_blocks), dtype=torch.int32)
-        for i, row in enumerate(inputs.block_tables):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        self.block_tables[:padded].copy_(table, non_blocking=True)
+        self.block_tables[:padded].copy_(torch.from_numpy(block_table_array(inputs.block_tables, padded,
+                                                                            self.max_blocks)), non_blocking=True)
         path, bounds = choose_path(inputs.pair_modes)
         if path in (STRUCTURED, STRUCTURED_SPLIT):
             rows = bounds + [(0, 0)] * pad
@@ -131,6 +131,19 @@ class InputBuffers:
         self.block_tables[:size].zero_()
         self.base_bounds[:size].zero_()  # structured path: no BASE range
         self.pair_mode[:size].zero_()  # general path: every pair TARGET
+
+
+def block_table_array(rows: list[list[int]], num_rows: int, width: int) -> np.ndarray:
+    """Ragged block tables as one zero-padded int32 [num_rows, width] array, in a fixed number of numpy calls (one
+    small tensor per row cost ~18 us each: a third of a batch-64 step's host time)."""
+    table = np.zeros((num_rows, width), dtype=np.int32)
+    lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    total = int(lengths.sum())
+    if total:
+        row_index = np.repeat(np.arange(len(rows)), lengths)
+        col_index = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        table[row_index, col_index] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=total)
+    return table
 
 
 def _fill(buffer: torch.Tensor, values: list[int]) -> None:

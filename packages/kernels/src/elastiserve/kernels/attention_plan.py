@@ -75,6 +75,8 @@ def _base_runs(modes: Sequence[int] | np.ndarray) -> tuple[int, int, bool]:
 def choose_path(pair_modes: Sequence[Sequence[int] | np.ndarray]) -> tuple[int, list[tuple[int, int]]]:
     """Path for the batch: native without BASE pairs, structured (read by ``STRUCTURED_READ_PATH``) when every
     sequence is T*B*T*, else general."""
+    if all(len(modes) == 0 for modes in pair_modes):  # an engine's all-TARGET batch: no per-pair scan
+        return NATIVE, []
     runs = [_base_runs(modes) for modes in pair_modes]
     if all(first == end for first, end, _ in runs):
         return NATIVE, []
