@@ -66,6 +66,12 @@ def test_summary_glue_matches_hand_computation():
     # A replay that starts in fast mode (static-fp8 switches during the T_base run) counts fast time from 0.
     fast_start = summarize(ReplayResult(records, duration=4.0, stats_before={"mode": "fast"}), t_base=0.1)
     assert fast_start["fast_fraction"] == 1.0 and fast_start["transitions_to_fast"] == 0
+    # Per-layer restores: three layers start in FP8 and come back one at a time at 1, 2 and 3 s; the replica is in
+    # fast mode (some layer in FP8) until the last one is back, not until the first.
+    per_layer = [{"time": t, "step": int(t), "kind": "mode_full", "amount": 1, "reason": ""} for t in (1.0, 2.0, 3.0)]
+    layered = summarize(ReplayResult(records, events=per_layer, duration=4.0,
+                                     stats_before={"mode": "fast", "fast_layers": [0, 1, 2]}), t_base=0.1)
+    assert layered["time_fast_s"] == pytest.approx(3.0) and layered["time_full_s"] == pytest.approx(1.0)
     rows = per_request(records, 0.1)
     assert [r["meets_slo"] for r in rows] == [True, False, False, False]
     assert (

@@ -65,18 +65,22 @@ class EventLog:
 
     def time_in_modes(self, start: float, end: float) -> dict[str, float]:
         """Seconds spent in 'full' and 'fast' between ``start`` and ``end``, assuming the replica starts in full
-        mode unless its first mode event is at ``start``."""
+        mode unless its first mode event is at ``start``. 'fast' is any time with at least one layer in FP8: a mode
+        event's amount is the number of layers entering or leaving (0 = the whole model, counted as one), so a
+        per-layer restore that brings back one layer of thirty does not end the fast time."""
         if end < start:
             raise ConfigError("end must not precede start")
         spent = {"full": 0.0, "fast": 0.0}
-        mode, since = "full", start
+        fast_layers, since = 0, start
         for e in self.events:
             if e.kind not in ("mode_fast", "mode_full") or e.time > end:
                 continue
             at = max(e.time, start)
-            spent[mode] += at - since
-            mode, since = ("fast" if e.kind == "mode_fast" else "full"), at
-        spent[mode] += end - since
+            spent["fast" if fast_layers else "full"] += at - since
+            step = max(e.amount, 1)
+            fast_layers = fast_layers + step if e.kind == "mode_fast" else max(0, fast_layers - step)
+            since = at
+        spent["fast" if fast_layers else "full"] += end - since
         return spent
 
     def restore_latencies(self) -> list[float]:

@@ -26,12 +26,12 @@ def per_request(records: list[m.RequestRecord], t_base: float) -> list[dict[str,
              "preemptions": r.preemptions, "base_exposure": r.base_exposure} for r in records]
 
 
-def event_log_of(events: list[dict[str, Any]], start_mode: str = "full") -> EventLog:
+def event_log_of(events: list[dict[str, Any]], start_mode: str = "full", start_fast_layers: int = 0) -> EventLog:
     """Events as an `EventLog`; a replay that starts in fast mode (e.g. static-fp8 switched during the T_base run)
-    gets a mode_fast event at time 0 so time-in-mode counts from the start."""
+    gets a mode_fast event at time 0 for the layers already in FP8, so time-in-mode counts from the start."""
     log = EventLog()
     if start_mode == "fast":
-        log.add(0.0, 0, "mode_fast", 0, "mode at the start of the replay")
+        log.add(0.0, 0, "mode_fast", start_fast_layers, "mode at the start of the replay")
     for e in events:
         log.add(e["time"], e["step"], e["kind"], e["amount"], e["reason"])
     return log
@@ -43,7 +43,8 @@ def summarize(result: ReplayResult, t_base: float, *, name: str = "", rate: floa
     records = result.records
     finished = [r for r in records if r.finished]
     ttfts = [r.ttft for r in finished]
-    log = event_log_of(result.events, result.stats_before.get("mode", "full"))
+    log = event_log_of(result.events, result.stats_before.get("mode", "full"),
+                       len(result.stats_before.get("fast_layers", ())))
     to_fast, to_full = event_log_of(result.events).mode_transitions()
     modes = log.time_in_modes(0.0, max(result.duration, 0.0))
     amounts = log.amounts()
