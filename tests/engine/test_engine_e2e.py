@@ -273,3 +273,21 @@ def test_smollm2_greedy_matches_transformers_and_survives_demotion(smollm2):
     assert final.finished and final.num_output_tokens == 12
     text = final.text.strip()
     assert len(text.split()) >= 5 and text.isprintable() and "sea" in text.lower()
+
+
+
+@pytest.mark.cuda
+def test_dps_reads_residual_units_as_weights_not_kv(tiny_llama, device):
+    """The DPS policy sees the KV pool's occupancy, not the units that hold resident residuals: a short request on
+    an empty pool evicts nothing (counting residual-held blocks as used once read an empty pool as full, 30x over
+    for SmolLM2 in the demo, and evicted every layer at the first step); a burst larger than the pool does evict,
+    and the stats count only what KV can use."""
+    block = block_size_for(device)
+    engine = make_engine(tiny_llama, device, policy="dps", kv_cache_budget=16 * block_bytes(block), max_num_seqs=8)
+    stats = engine.stats()
+    assert stats["kv_blocks"] < stats["total_blocks"] and stats["kv_usage"] == 0.0
+    engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert engine.events.counts().get("evict_residual", 0) == 0 and engine.stats()["mode"] == "full"
+    burst = [[(7 * i + j) % 200 for j in range(3 * block)] for i in range(8)]
+    engine.generate(burst, SamplingParams(temperature=0.0, max_tokens=6 * block, ignore_eos=True))
+    assert engine.events.counts().get("evict_residual", 0) >= 1 and engine.stats()["preemptions"] == 0

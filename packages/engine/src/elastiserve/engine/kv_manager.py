@@ -280,9 +280,13 @@ class KVManager:
         seq.metrics.attended_tokens += seq_len
 
     def counts(self) -> dict[str, int]:
+        """``total_blocks``: every block of the pool, including those in units that hold resident weight residuals;
+        ``kv_blocks``: the blocks KV can use now (allocated or free, not holding a residual)."""
+        free, allocated = self.pool.num_free(False), self.pool.num_blocks - self.pool.num_free(True)
         return {
-            "free_blocks": self.pool.num_free(False),
+            "free_blocks": free,
             "total_blocks": self.pool.num_blocks,
+            "kv_blocks": allocated + free,
             "base_pairs": len(self._slots) - len(self._promotions),
             "promoting_pairs": len(self._promotions),
             "free_host_slots": len(self._free_slots),

@@ -20,16 +20,21 @@ def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, de
     running = scheduler.running
     per_layer = state.residual_layers()
     eligible = sum(kv.num_demotable_pairs(s) for s in running) if kv.num_free_slots else 0
-    base = kv.counts()["base_pairs"]
+    counts = kv.counts()
+    base = counts["base_pairs"]
+    blocks_per_unit = max(1, len(state.unit_blocks(0)))
     return StepObservation(
         step=step,
         now=time.monotonic(),
-        free_blocks=kv.pool.num_free(False),
-        total_blocks=kv.pool.num_blocks,
-        native_blocks=kv.pool.num_blocks - state.num_free_blocks(True) + state.num_free_blocks(False),
+        free_blocks=counts["free_blocks"],
+        # The policies' terms: total = what KV can use now (blocks of units that hold a resident residual are not
+        # KV's), native = the FP16 budget, what KV has with every residual resident. Counting residual-held blocks
+        # as used made DPS read an empty SmolLM2 pool as 30x occupied and evict every layer at the first step.
+        total_blocks=counts["kv_blocks"],
+        native_blocks=max(0, counts["total_blocks"] - sum(per_layer.values()) * blocks_per_unit),
         demand_blocks=None if demand is None else demand.blocks_needed,
         required_blocks=0 if demand is None else demand.required_blocks,
-        blocks_per_unit=max(1, len(state.unit_blocks(0))),
+        blocks_per_unit=blocks_per_unit,
         backed_units=state.num_backed_units(),
         residual_layers=len(per_layer),
         units_per_layer=max(per_layer.values(), default=0),
@@ -53,7 +58,7 @@ def engine_stats(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, ev
     counts = kv.counts()
     return {
         **counts,
-        "kv_usage": 1.0 - counts["free_blocks"] / max(1, counts["total_blocks"]),
+        "kv_usage": 1.0 - counts["free_blocks"] / max(1, counts["kv_blocks"]),  # of what KV can use now
         "base_exposure": kv.exposure.ratio,
         "fast_layers": sorted(runner.fast_layers),
         "mode": "fast" if runner.fast_layers else "full",
