@@ -18,6 +18,11 @@ def test_env_parse_rejects_unknown_and_bad_values():
     with pytest.raises(ConfigError, match="expected one of"):
         parse({"ELASTISERVE_VMM": "nvlink"})
     assert parse({"ELASTISERVE_PLATFORM": " CPU "}).platform == "cpu"
+    assert parse({"ELASTISERVE_DEBUG_STACKS_S": "120"}).debug_stacks_s == 120.0
+    assert parse({"ELASTISERVE_SOURCE_COMMIT": "AbC123"}).source_commit == "AbC123"  # case kept
+    for bad in ("soon", "0", "-5"):
+        with pytest.raises(ConfigError, match="DEBUG_STACKS_S"):
+            parse({"ELASTISERVE_DEBUG_STACKS_S": bad})
 
 
 def test_arch_tables():

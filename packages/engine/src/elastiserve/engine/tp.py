@@ -18,6 +18,7 @@ This module is isolated on purpose: nothing imports it unless ``tensor_parallel_
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from elastiserve.engine.errors import EngineError
 from elastiserve.engine.tp_sharding import shard_model
 from elastiserve.platforms import ConfigError
+from elastiserve.platforms.env import settings
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ def init_tp(rank: int, world_size: int, init_method: str, device_type: str, time
     else:
         raise ConfigError(f"tensor parallelism runs on cuda or cpu, not {device_type!r}")
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    debug_stacks_s = settings().debug_stacks_s
+    if debug_stacks_s is not None:  # a stalled run then shows where every rank waits, not only the test's rank 0
+        faulthandler.dump_traceback_later(debug_stacks_s, repeat=True)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **timeout)
     return TPGroup(rank, world_size, device, dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT))
 
@@ -291,6 +296,7 @@ def stop(group: TPGroup) -> None:
         log.warning("tensor-parallel shutdown could not reach every worker: %s", exc)
     finally:
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
         _reap(group.workers, REAP_TIMEOUT_S)
         if group.rendezvous_dir is not None:
             shutil.rmtree(group.rendezvous_dir, ignore_errors=True)

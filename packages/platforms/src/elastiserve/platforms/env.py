@@ -30,8 +30,13 @@ class EnvSettings:
     # The commit benchmark results record. GPU copies of the tree can carry stale git metadata (two H200 runs
     # recorded an older HEAD than the tree they ran), so ci/gpu/bootstrap.sh passes the one written before the call.
     source_commit: str | None = None
+    # Every this many seconds, each tensor-parallel rank dumps all its threads' stacks to stderr (faulthandler): how
+    # a stalled multi-GPU run shows where each rank waits. Unset: never.
+    debug_stacks_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.debug_stacks_s is not None and not self.debug_stacks_s > 0:
+            raise ConfigError(f"{PREFIX}DEBUG_STACKS_S must be a positive number of seconds, got {self.debug_stacks_s}")
         for field, choices in _CHOICES.items():
             value = getattr(self, field.lower())
             if value not in choices:
@@ -49,12 +54,17 @@ def parse(environ: dict[str, str] | os._Environ) -> EnvSettings:
             is_path = key in ("CACHE_DIR", "TRACE_DIR")
             if is_path:
                 kwargs[key.lower()] = Path(value).expanduser()
+            elif key == "DEBUG_STACKS_S":
+                try:
+                    kwargs["debug_stacks_s"] = float(value)
+                except ValueError:
+                    raise ConfigError(f"{PREFIX}DEBUG_STACKS_S={value!r}: expected seconds") from None
             else:
                 kwargs[key.lower()] = value if key == "SOURCE_COMMIT" else value.lower()
     return EnvSettings(**kwargs)
 
 
-_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL", "TRACE_DIR", "SOURCE_COMMIT")
+_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL", "TRACE_DIR", "SOURCE_COMMIT", "DEBUG_STACKS_S")
 
 
 @functools.cache
