@@ -15,9 +15,10 @@ GPU = dict(device="cuda", block_size=16, enforce_eager=False, kv_cache_budget=64
 
 # Two runs on H200 pairs were cut by their call's time limit (60 s and 150 s) with no result: a hang or a slow start.
 # A cold start is long: both engines compile their own Triton kernels (a rank's head counts differ from TP=1's, so
-# none are shared) for every warm-up shape, then NCCL starts and the graphs are captured. A bounded test timeout
-# (inside a 600 s device call) dumps every thread's stack, so the next run says which.
-@pytest.mark.timeout(420)
+# none are shared) for every warm-up shape, then NCCL starts and the graphs are captured. The test's own timeout
+# fires inside the 270 s that ci/gpu/verify_round.sh gives the suite and dumps rank 0's stacks; with
+# ELASTISERVE_DEBUG_STACKS_S set, every rank also dumps its stacks while it runs.
+@pytest.mark.timeout(250)
 def test_static_fp16_tp2_equals_tp1_over_nccl(llama_dir, engines):  # noqa: F811
     expected = greedy_abort_and_preempt(engines(llama_dir, 1, **GPU))
     engine = engines(llama_dir, 2, **GPU)
