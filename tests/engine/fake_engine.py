@@ -12,6 +12,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from elastiserve.engine.outputs import RequestOutput
+from elastiserve.engine.sequence import SequenceMetrics
+
 EOS = 256
 VOCAB = 260
 SCRIPT = "Hello from the fake engine: é, ☃ and 😀 are multi-byte. The end."
@@ -30,17 +33,6 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
-
-
-@dataclass
-class FakeOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    metrics: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -112,7 +104,7 @@ class FakeEngine:
             req.first_scheduled = time.monotonic()
             self.running.append(req)
 
-    def step(self) -> list[FakeOutput]:
+    def step(self) -> list[RequestOutput]:
         self.num_steps += 1
         if self.fail_next_step:
             self.fail_next_step = False
@@ -125,7 +117,7 @@ class FakeEngine:
             outputs.append(self._advance(req))
         return outputs
 
-    def _advance(self, req: FakeRequest) -> FakeOutput:
+    def _advance(self, req: FakeRequest) -> RequestOutput:
         params = req.params
         i = len(req.output)
         token = self.script[i % len(self.script)] if (params.ignore_eos or i < len(self.script)) else EOS
@@ -141,9 +133,9 @@ class FakeEngine:
         if reason:
             self.running.remove(req)
             self.used_blocks -= req.blocks
-        metrics = {"arrival_time": req.arrival, "first_scheduled_time": req.first_scheduled}
-        return FakeOutput(req.request_id, [token], reason is not None, reason, len(req.prompt), len(req.output),
-                          metrics)
+        metrics = SequenceMetrics(arrival_time=req.arrival, first_scheduled_time=req.first_scheduled)
+        return RequestOutput(req.request_id, [token], reason is not None, reason, len(req.prompt), len(req.output),
+                             metrics)
 
     def stats(self) -> dict:
         return {"num_total_blocks": self.num_blocks, "num_used_blocks": self.used_blocks,

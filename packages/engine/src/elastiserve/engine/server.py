@@ -174,10 +174,10 @@ class RequestRun:
 
 
 def queue_time(metrics: Any) -> float | None:
+    """Seconds from arrival to first scheduling, from a ``SequenceMetrics`` (None until it was scheduled)."""
     if metrics is None:
         return None
-    get = metrics.get if isinstance(metrics, dict) else lambda k: getattr(metrics, k, None)
-    arrival, scheduled = get("arrival_time"), get("first_scheduled_time")
+    arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
     if arrival is None or scheduled is None:
         return None
     return float(scheduled) - float(arrival)

@@ -34,11 +34,7 @@ def default_params(request: Request) -> Any:
 
 
 def _metric(metrics: Any, name: str, default: int = 0) -> Any:
-    if metrics is None:
-        return default
-    if isinstance(metrics, dict):
-        return metrics.get(name, default)
-    return getattr(metrics, name, default)
+    return default if metrics is None else getattr(metrics, name, default)
 
 
 def engine_events(engine: Any, t0: float, since: int = 0) -> list[dict[str, Any]]:
