@@ -25,6 +25,8 @@ class BlockPool(Protocol):
 
     def num_free(self, allow_backed: bool) -> int: ...
 
+    def num_allocated(self) -> int: ...
+
     def allocate(self, n: int, allow_backed: bool) -> list[int] | None: ...
 
     def free(self, blocks: Iterable[int]) -> None: ...
@@ -42,6 +44,9 @@ class FlatBlockPool:
 
     def num_free(self, allow_backed: bool = False) -> int:
         return len(self._free)
+
+    def num_allocated(self) -> int:
+        return self.num_blocks - len(self._free)
 
     def allocate(self, n: int, allow_backed: bool = False) -> list[int] | None:
         if n > len(self._free):
@@ -73,6 +78,9 @@ class SumBlockPool:
 
     def num_free(self, allow_backed: bool = False) -> int:
         return self.state.num_free_blocks(include_backed=allow_backed)
+
+    def num_allocated(self) -> int:
+        return self.state.num_allocated_blocks()
 
     def allocate(self, n: int, allow_backed: bool = False) -> list[int] | None:
         if n == 0:
@@ -282,11 +290,11 @@ class KVManager:
     def counts(self) -> dict[str, int]:
         """``total_blocks``: every block of the pool, including those in units that hold resident weight residuals;
         ``kv_blocks``: the blocks KV can use now (allocated or free, not holding a residual)."""
-        free, allocated = self.pool.num_free(False), self.pool.num_blocks - self.pool.num_free(True)
+        free = self.pool.num_free(False)  # with_backed=True would walk every BACKED unit: not per step
         return {
             "free_blocks": free,
             "total_blocks": self.pool.num_blocks,
-            "kv_blocks": allocated + free,
+            "kv_blocks": self.pool.num_allocated() + free,
             "base_pairs": len(self._slots) - len(self._promotions),
             "promoting_pairs": len(self._promotions),
             "free_host_slots": len(self._free_slots),

@@ -104,6 +104,9 @@ class RecordingPool:
     def num_free(self, allow_backed: bool = False) -> int:
         return self.inner.num_free(allow_backed)
 
+    def num_allocated(self) -> int:
+        return self.inner.num_allocated()
+
     def allocate(self, n: int, allow_backed: bool = False) -> list[int] | None:
         blocks = self.inner.allocate(n, allow_backed)
         if blocks:
