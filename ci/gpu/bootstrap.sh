@@ -10,3 +10,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 # The device's copy of .git can be stale: write `git rev-parse HEAD > .carry/COMMIT` here before each call.
 if [ -f .carry/COMMIT ]; then export ELASTISERVE_SOURCE_COMMIT=$(cat .carry/COMMIT); fi
 mkdir -p "${OUT:-/tmp/out}"
+export ELASTISERVE_TRACE_DIR=$PWD/.carry/traces
+
+# The packages into the machine's Python (offline, editable) for scripts run outside nox.
+install_packages() {
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e packages/platforms -e packages/memory \
+    -e packages/kernels -e packages/control -e packages/engine >/dev/null 2>&1
+}

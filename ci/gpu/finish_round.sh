@@ -5,9 +5,7 @@
 #   both:  the TP=2 suite. At most 8 files come back.
 source ci/gpu/bootstrap.sh
 set +e
-export ELASTISERVE_TRACE_DIR=$PWD/.carry/traces
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e packages/platforms -e packages/memory \
-  -e packages/kernels -e packages/control -e packages/engine >/dev/null 2>&1
+install_packages
 (
   export CUDA_VISIBLE_DEVICES=1
   timeout 200 python3 benchmarks/engine/bench_decode.py --model llama-3.1-8b --parts throughput --requests 1000 \

@@ -4,9 +4,7 @@
 # (.carry/traces = a copy of ../shared/traces). Budget: ~9 minutes.
 source ci/gpu/bootstrap.sh
 set +e
-export ELASTISERVE_TRACE_DIR=$PWD/.carry/traces
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e packages/platforms -e packages/memory \
-  -e packages/kernels -e packages/control -e packages/engine >/dev/null 2>&1
+install_packages
 timeout 150 python3 benchmarks/engine/bench_decode.py --model llama-3.1-8b --parts roofline fast_full switch \
   --batch 1 4 16 32 64 --kv-gib 12 --trials 5 --iters 30 --out $OUT/bench_decode.json > $OUT/bench_decode.log 2>&1
 tail -12 $OUT/bench_decode.log

@@ -5,9 +5,7 @@
 #   both:  the TP=2 suite at the end. At most 8 files come back: the throughput JSON rows are in the logs.
 source ci/gpu/bootstrap.sh
 set +e
-export ELASTISERVE_TRACE_DIR=$PWD/.carry/traces
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e packages/platforms -e packages/memory \
-  -e packages/kernels -e packages/control -e packages/engine >/dev/null 2>&1
+install_packages
 TP="--parts throughput --requests 1000 --throughput-kv-gib 16"
 (
   export CUDA_VISIBLE_DEVICES=1

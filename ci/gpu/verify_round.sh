@@ -3,7 +3,6 @@
 # About 9.5 minutes from a cold Triton cache: give it the whole 600 s call.
 source ci/gpu/bootstrap.sh
 set +e
-export ELASTISERVE_TRACE_DIR=$PWD/.carry/traces
 nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
 { time timeout 300 nox -s test-cuda; } > $OUT/test-cuda.log 2>&1; tail -4 $OUT/test-cuda.log
 # Every rank dumps its stacks each 90 s (faulthandler), so a stall shows where each one waits.
