@@ -37,7 +37,7 @@ class GemmConfig:
     split_k: int = 1
     group_m: int = 8
     # Decode the weight tile with packed-word PTX (``weight_decode.decode_weight_tile_ptx``), NVIDIA only: the sm90
-    # full-mode rows use it (see _DECODE_FULL), the portable decode stays on every other arch.
+    # full-mode rows use it (see _DECODE_PTX), the portable decode stays on every other arch.
     ptx_decode: bool = False
 
     def __post_init__(self) -> None:
@@ -70,26 +70,25 @@ LONG_K = 8192
 # packed-word PTX decode (four weights per asm call) with narrow 32x256 tiles took qkv from 0.46x to 0.94x and down
 # from 0.45x to 0.87x of fp16 at M = 1 (0.86x / 0.85x at M = 16) on the H200, the best of seven tiles for both K
 # (benchmarks/kernels/results/h200-gemm-config-probe-run2.json); the portable decode on the same tile: 0.33x / 0.26x.
-_DECODE_FULL = _G(16, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
-# Weight-only decode (fast mode up to 16 rows on sm90, nested_gemm.FP8_MIN_M) with the PTX decode: 32x256 for K = 4096
-# (qkv M=1 13.2 us = 1.25x fp16) and 128x128 for K >= 8192 (down M=1 28.0 us = 1.18x), best of seven tiles in
-# h200-gemm-config-probe-run3 (the portable decode's best: 0.87x / 0.91x).
-_DECODE_WEIGHT_ONLY = _G(16, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
+# The same tile is the weight-only decode row (fast mode up to 16 rows on sm90, nested_gemm.FP8_MIN_M) for K = 4096
+# (qkv M=1 13.2 us = 1.25x fp16); for K >= 8192 weight-only takes 128x128 (down M=1 28.0 us = 1.18x), best of seven
+# tiles in h200-gemm-config-probe-run3 (the portable decode's best: 0.87x / 0.91x).
+_DECODE_PTX = _G(16, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
 _DECODE_LONG_K_BY_MODE = {"weight_only": _G(16, 128, 128, num_warps=4, num_stages=4, ptx_decode=True),
                           "fp8": DECODE_LONG_K}
 
 _SM90: dict[str, dict[int, GemmConfig]] = {
     "full": {
-        1: _DECODE_FULL,
-        16: _DECODE_FULL,
+        1: _DECODE_PTX,
+        16: _DECODE_PTX,
         64: _G(64, 64, 128, num_warps=4, num_stages=4, ptx_decode=True),
         256: _G(64, 128, 64, num_warps=4, num_stages=4),
         1024: _G(128, 128, 64, num_warps=8, num_stages=4),
         4096: _G(256, 128, 64, num_warps=8, num_stages=3),
     },
     "weight_only": {
-        1: _DECODE_WEIGHT_ONLY,
-        16: _DECODE_WEIGHT_ONLY,
+        1: _DECODE_PTX,
+        16: _DECODE_PTX,
         64: _G(64, 64, 128, num_warps=4, num_stages=5),
         256: _G(64, 128, 128, num_warps=4, num_stages=4),
         1024: _G(128, 128, 64, num_warps=8, num_stages=4),
