@@ -210,9 +210,8 @@ class LLMEngine:
             matcher = self._stop_matchers.get(seq.request_id)
             if matcher is None:
                 matcher = self._stop_matchers[seq.request_id] = StopStringMatcher(self.tokenizer, params.stop)
-            cut = matcher.add(seq.output_token_ids)
-            if cut is not None:
-                seq.output_text = matcher.text[:cut]
+            if matcher.add(seq.output_token_ids):
+                seq.output_text = matcher.text
                 return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -284,22 +284,3 @@ class TextStream:
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text[len(prefix_text):]
-
-
-class StopChecker:
-    """Cuts the text at the first stop string; holds back a possible stop-string prefix until it is decided."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-
-    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
-        self.pending += delta
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            text, self.pending = self.pending[:min(hits)], ""
-            return text, True
-        cut = len(self.pending) if final else max(0, len(self.pending) - self.hold)
-        text, self.pending = self.pending[:cut], self.pending[cut:]
-        return text, False

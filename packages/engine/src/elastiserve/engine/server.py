@@ -25,7 +25,8 @@ from aiohttp import web
 from elastiserve.engine import protocol
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
 from elastiserve.engine.metrics_prom import ServerMetrics
-from elastiserve.engine.protocol import BadRequest, ParsedRequest, StopChecker, TextStream, eos_token_ids, error_body
+from elastiserve.engine.protocol import BadRequest, ParsedRequest, TextStream, eos_token_ids, error_body
+from elastiserve.engine.tokenizer import StopChecker
 
 log = logging.getLogger(__name__)
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("elastiserve_state")

@@ -128,31 +128,43 @@ class IncrementalDetokenizer:
         return delta
 
 
+class StopChecker:
+    """Cuts the text at the first stop string; holds back a possible stop-string prefix until it is decided."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
+        self.pending += delta
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, self.pending = self.pending[:min(hits)], ""
+            return text, True
+        cut = len(self.pending) if final else max(0, len(self.pending) - self.hold)
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+
 class StopStringMatcher:
-    """Finds the first stop string in a sequence's output text as tokens arrive, in O(1) per token: the text grows by
-    incremental-detokenizer deltas and only the delta plus ``len(longest stop) - 1`` characters before it are searched
-    (earlier text was searched when it arrived). Decoding the whole output each step made stop strings cost O(n)
-    per token."""
+    """The engine's stop strings, token by token: incremental-detokenizer deltas through a ``StopChecker``, so each
+    token costs O(1) (decoding the whole output each step cost O(n) per token). ``text`` is the output text released
+    so far; after ``add`` returns True it is the text up to the first stop string."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
         self.detokenizer = tokenizer.detokenizer()
+        self.checker = StopChecker(tuple(s for s in stops if s))
         self.consumed = 0  # output tokens fed so far
+        self.text = ""
 
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text
-
-    def add(self, output_token_ids: Sequence[int]) -> int | None:
-        """Feed the output so far (only the unseen tail is decoded); the index in ``text`` where the first stop
-        string starts, or None."""
-        before = len(self.detokenizer.text)
-        self.detokenizer.add(output_token_ids[self.consumed :])
+    def add(self, output_token_ids: Sequence[int]) -> bool:
+        """Feed the output so far (only the unseen tail is decoded); whether a stop string has appeared."""
+        delta = self.detokenizer.add(output_token_ids[self.consumed :])
         self.consumed = len(output_token_ids)
-        start = max(0, before - self.longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+        released, stopped = self.checker.feed(delta, final=False)
+        self.text += released
+        return stopped
 
 
 def _compile_template(source: str) -> jinja2.Template:
