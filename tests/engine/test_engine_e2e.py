@@ -283,11 +283,14 @@ def test_dps_reads_residual_units_as_weights_not_kv(tiny_llama, device):
     for SmolLM2 in the demo, and evicted every layer at the first step); a burst larger than the pool does evict,
     and the stats count only what KV can use."""
     block = block_size_for(device)
-    engine = make_engine(tiny_llama, device, policy="dps", kv_cache_budget=16 * block_bytes(block), max_num_seqs=8)
+    # A GPU pool is whole 2 MiB VMM units (341 of this model's 16-token blocks): its burst needs more, longer rows.
+    seqs, prompt_blocks, output_blocks = (8, 3, 6) if device.type == "cpu" else (32, 12, 3)
+    engine = make_engine(tiny_llama, device, policy="dps", kv_cache_budget=16 * block_bytes(block), max_num_seqs=seqs)
     stats = engine.stats()
     assert stats["kv_blocks"] < stats["total_blocks"] and stats["kv_usage"] == 0.0
+    assert seqs * (prompt_blocks + output_blocks) > stats["kv_blocks"]  # the burst overfills the KV-only pool
     engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert engine.events.counts().get("evict_residual", 0) == 0 and engine.stats()["mode"] == "full"
-    burst = [[(7 * i + j) % 200 for j in range(3 * block)] for i in range(8)]
-    engine.generate(burst, SamplingParams(temperature=0.0, max_tokens=6 * block, ignore_eos=True))
+    burst = [[(7 * i + j) % 200 for j in range(prompt_blocks * block)] for i in range(seqs)]
+    engine.generate(burst, SamplingParams(temperature=0.0, max_tokens=output_blocks * block, ignore_eos=True))
     assert engine.events.counts().get("evict_residual", 0) >= 1 and engine.stats()["preemptions"] == 0

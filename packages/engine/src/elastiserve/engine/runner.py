@@ -9,7 +9,9 @@ promotion brings them back, unpacks into two fresh blocks and reports the pair d
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from elastiserve.engine.warmup import WarmUpShape, attention_paths, mode_sets, w
 __all__ = ["TRANSFER_CHUNK_PAIRS", "ModelRunner", "StepInputs", "StepOutput"]
 
 TRANSFER_CHUNK_PAIRS = 16  # pairs per demote/promote staging round
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -223,9 +226,16 @@ class ModelRunner:
             low = torch.empty((1, 2 * self.block_elems), dtype=torch.uint8, device=self.device)
             self.ops.kv_demote(self.kv_cache, block, block, low)
             self.ops.kv_promote(self.kv_cache, block, block, block, low)
+        start = time.perf_counter()
         if self.device.type == "cuda":
-            self.run_warm_up_shapes(self.warm_up_shapes())
+            shapes = self.warm_up_shapes()
+            self.run_warm_up_shapes(shapes)
+            log.info("warm-up: %d step shapes compiled in %.1f s", len(shapes), time.perf_counter() - start)
+        start = time.perf_counter()
         self.capture_graphs()
+        if self.graphs is not None:
+            log.info("warm-up: %d decode graphs captured in %.1f s", len(self.graphs.graphs),
+                     time.perf_counter() - start)
 
     def warm_up_shapes(self) -> list[WarmUpShape]:
         group = self.model_config.num_attention_heads // self.model_config.num_key_value_heads

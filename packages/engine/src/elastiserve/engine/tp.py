@@ -324,14 +324,20 @@ def worker_main(rank: int, world: int, init_method: str, config: Any, device_typ
     from elastiserve.engine.loader import load_model
     from elastiserve.engine.runner import ModelRunner
 
+    # A spawned process starts with logging unconfigured: give it the engine's level, its lines tagged by rank.
+    logging.basicConfig(level=settings().log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     joining.send(rank)
     joining.close()
     group = init_tp(rank, world, init_method, device_type, config.tp_timeout_s)
     try:
+        start = time.perf_counter()
         model, _, _ = load_model(config)
         model = model.to(group.device)
         shard_model(model, group)
         runner = ModelRunner(config, model, group.device)
+        log.info("model loaded and sharded, runner ready in %.1f s; replaying rank 0's plans",
+                 time.perf_counter() - start)
         worker_loop(runner, group)
         if runner.pool.manager is not None:
             runner.pool.manager.close()
