@@ -324,6 +324,11 @@ class LLMEngine:
             from elastiserve.engine import tp
 
             group, self.tp_group = self.tp_group, None
+            # NCCL cannot destroy a communicator that live CUDA graphs captured collectives of: on two H200s every
+            # rank hung in destroy_process_group until the graphs went first (on every rank: see tp.worker_main).
+            runner = getattr(self, "runner", None)  # absent when startup failed before the runner existed
+            if runner is not None:
+                runner.graphs = None
             tp.stop(group)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastiserve.engine.models.moe import SparseMoeBlock, grouped_gemm_reference
+from elastiserve.engine.models.moe import SparseMoeBlock, grouped_gemm_plain
 from elastiserve.kernels import formats
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.nested_linear import NestedLinear, NestingReport, nest_model, set_mode, to_fp16_for_nesting
@@ -103,7 +103,7 @@ def grouped_gemm_nested(x_sorted: torch.Tensor, weight: Any, group_offsets: torc
     stayed 16-bit runs the reference."""
     if isinstance(weight, NestedExperts):
         return weight(x_sorted, group_offsets)
-    return grouped_gemm_reference(x_sorted, weight, group_offsets)
+    return grouped_gemm_plain(x_sorted, weight, group_offsets)
 
 
 def nest_experts(block: SparseMoeBlock, prefix: str, report: NestingReport) -> None:

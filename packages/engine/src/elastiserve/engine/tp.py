@@ -330,6 +330,7 @@ def worker_main(rank: int, world: int, init_method: str, config: Any, device_typ
     joining.send(rank)
     joining.close()
     group = init_tp(rank, world, init_method, device_type, config.tp_timeout_s)
+    runner = None
     try:
         start = time.perf_counter()
         model, _, _ = load_model(config)
@@ -342,4 +343,8 @@ def worker_main(rank: int, world: int, init_method: str, config: Any, device_typ
         if runner.pool.manager is not None:
             runner.pool.manager.close()
     finally:
+        if runner is not None:
+            runner.graphs = None  # before the communicator goes: NCCL waits for graphs that captured its collectives
+            if device_type == "cuda":
+                torch.cuda.synchronize(group.device)
         dist.destroy_process_group()

@@ -1,5 +1,9 @@
 """Grouped nested-weight GEMM over expert-sorted tokens (Qwen3-MoE / Mixtral expert MLPs).
 
+The same kernel also runs unnested fp16 experts (``grouped_gemm_fp16``, op ``elastiserve::grouped_gemm``): the
+static-fp16 engine needs a grouped GEMM it can capture in a CUDA graph, which a per-expert loop over host-read
+offsets is not.
+
 ``y[t] = x_sorted[t] @ W_e.T`` for the rows ``expert_offsets[e]:expert_offsets[e+1]`` of each expert ``e``, with
 ``W_e`` held as ``upper[E, N, K]`` / ``lower[E, N, K]`` uint8 planes, in full or fast mode (same modes as
 ``nested_gemm``). Routing, sorting and the weighted combine belong to the engine.
@@ -12,6 +16,7 @@ op can be captured in a CUDA graph.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 import triton
@@ -30,7 +35,7 @@ from elastiserve.kernels.nested_gemm import (
     upper_for_kernel,
     weight_scale,
 )
-from elastiserve.kernels.weight_decode import load_weight_tile
+from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
 from elastiserve.platforms import current_platform
 
 
@@ -45,7 +50,7 @@ def _nested_moe_kernel(
 ):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert = tl.load(tile_expert_ptr + tile)  # MODE PLAIN: upper_ptr is the fp16 [E, N, K] weight
     valid = expert >= 0
     expert = tl.maximum(expert, 0)
     row_start = tl.load(tile_row_ptr + tile)
@@ -146,6 +151,51 @@ def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Te
     return out
 
 
+def grouped_gemm_fp16(x_sorted: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor,
+                      config: configs.GemmConfig | None = None) -> torch.Tensor:
+    """The grouped kernel on plain fp16 experts: x_sorted fp16 [T, K], weight fp16 [E, N, K] -> [T, N]."""
+    if x_sorted.dim() != 2 or x_sorted.dtype != torch.float16 or weight.dim() != 3 or weight.dtype != torch.float16:
+        raise ValueError(f"need fp16 x_sorted [T, K] and weight [E, N, K], got {tuple(x_sorted.shape)} "
+                         f"{x_sorted.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    num_experts, n, k = weight.shape
+    if expert_offsets.shape != (num_experts + 1,) or x_sorted.shape[1] != k:
+        raise ValueError(f"shapes disagree: x {tuple(x_sorted.shape)}, weight {tuple(weight.shape)}, "
+                         f"offsets {tuple(expert_offsets.shape)}")
+    t = x_sorted.shape[0]
+    out = torch.empty((t, n), dtype=torch.float16, device=x_sorted.device)
+    if t == 0:
+        return out
+    if config is None:  # full mode's tiles (two weight bytes per element), without its decode
+        platform = current_platform()
+        config = configs.choose_config(platform.arch, "full", max(1, t // num_experts), n, k, platform.num_sms)
+        config = replace(config, ptx_decode=False)
+    offsets = expert_offsets.to(torch.int32)
+    tile_expert, tile_row = build_tile_map(offsets, t, config.block_m)
+    _nested_moe_kernel[(tile_expert.numel(), triton.cdiv(n, config.block_n))](
+        x_sorted, x_sorted, weight, weight, out, tile_expert, tile_row, offsets,
+        n, k,
+        x_sorted.stride(0), x_sorted.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
+        0, 0, 0, out.stride(0), out.stride(1),
+        1.0,
+        MODE=PLAIN, NESTING=0, FNUZ=False, EVEN_K=k % config.block_k == 0, PTX_DECODE=False,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+@torch.library.custom_op("elastiserve::grouped_gemm", mutates_args=())
+def grouped_gemm_op(x_sorted: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    if current_platform().kernel_backend == "reference":
+        return grouped_gemm_ref(x_sorted, weight, expert_offsets)
+    return grouped_gemm_fp16(x_sorted, weight, expert_offsets)
+
+
+@grouped_gemm_op.register_fake
+def _(x_sorted, weight, expert_offsets):
+    return x_sorted.new_empty((x_sorted.shape[0], weight.shape[1]))
+
+
 @torch.library.custom_op("elastiserve::nested_moe", mutates_args=())
 def nested_moe_op(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
                   nesting: int, fast: bool, weight_exp: int = 0) -> torch.Tensor:
@@ -180,4 +230,13 @@ def nested_moe_ref(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
         if end > start:
             w = reference_weight(upper[e], lower[e], Nesting(nesting), mode, fnuz, weight_exp)
             out[start:end] = xf[start:end] @ w.T
+    return out.to(torch.float16)
+
+
+def grouped_gemm_ref(x_sorted: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """Per-expert fp32 matmul of plain experts, fp16 out (host-read offsets: not graph-capturable)."""
+    out = torch.zeros((x_sorted.shape[0], weight.shape[1]), dtype=torch.float32, device=x_sorted.device)
+    for e, (start, end) in enumerate(itertools.pairwise(expert_offsets.tolist())):
+        if end > start:
+            out[start:end] = x_sorted[start:end].float() @ weight[e].float().T
     return out.to(torch.float16)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+PLAIN = 3  # load_weight_tile's MODE for a plain fp16 weight (no planes, nothing to decode)
+
 # Operands: $0, $1 = two fp16x2 results (weights 0,1 and 2,3 of the pack); $2 = four upper bytes; $3 = four lower
 # bytes. prmt selector 0x5140 picks bytes (l0, u0, l1, u1) of {a = lower, b = decoded upper}, 0x7362 (l2, u2, l3, u3).
 _FULL_E4M3_PTX = tl.constexpr("""{
@@ -99,8 +101,11 @@ def decode_weight_tile_ptx(u, low, MODE: tl.constexpr, NESTING: tl.constexpr):
 @triton.jit
 def load_weight_tile(upper_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
                      MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, PTX_DECODE: tl.constexpr):
-    """Load one [BLOCK_N, BLOCK_K] tile of the planes (the lower one only in full mode) and decode it for tl.dot."""
+    """Load one [BLOCK_N, BLOCK_K] tile of the planes (the lower one only in full mode) and decode it for tl.dot.
+    MODE 3 (``PLAIN``): ``upper_ptr`` is a plain fp16 weight, loaded as it is (the grouped GEMM of unnested experts)."""
     w_off = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    if MODE == 3:
+        return tl.load(upper_ptr + w_off, mask=w_mask, other=0.0)
     if MODE == 2 and not FNUZ:  # fp8 pointer
         u = tl.load(upper_ptr + w_off, mask=w_mask, other=0.0)
     else:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from elastiserve.engine.models.layers import silu_and_mul
+from elastiserve.kernels import nested_moe  # noqa: F401  (registers elastiserve::grouped_gemm)
 
 # grouped_gemm(x_sorted[M, K], weight[E, N, K], group_offsets[E + 1] int64) -> [M, N]
 # Rows group_offsets[e]:group_offsets[e + 1] of x_sorted belong to expert e and are multiplied by weight[e]^T.
@@ -29,6 +30,15 @@ def grouped_gemm_reference(x_sorted: torch.Tensor, weight: torch.Tensor, group_o
         if end > start:
             out[start:end] = x_sorted[start:end] @ weight[expert].t()
     return out
+
+
+def grouped_gemm_plain(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+    """The hook of unnested experts: on a GPU fp16 experts take the grouped Triton kernel (one launch, no host read,
+    so the step can be captured in a CUDA graph; the loop above read the offsets back and failed capture on the
+    H200); the CPU, and experts left bf16, take the loop."""
+    if x_sorted.device.type != "cpu" and weight.dtype == torch.float16 and x_sorted.dtype == torch.float16:
+        return torch.ops.elastiserve.grouped_gemm(x_sorted, weight, group_offsets)
+    return grouped_gemm_reference(x_sorted, weight, group_offsets)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +59,7 @@ def moe_experts(
     topk_weights: torch.Tensor,
     w_gate_up: Any,
     w_down: Any,
-    grouped_gemm: GroupedGemm = grouped_gemm_reference,
+    grouped_gemm: GroupedGemm = grouped_gemm_plain,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x[T, H]; returns [T, H] in x's dtype.
 
@@ -88,7 +98,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.grouped_gemm: GroupedGemm = grouped_gemm_reference
+        self.grouped_gemm: GroupedGemm = grouped_gemm_plain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
