@@ -294,3 +294,27 @@ def test_dps_reads_residual_units_as_weights_not_kv(tiny_llama, device):
     burst = [[(7 * i + j) % 200 for j in range(prompt_blocks * block)] for i in range(seqs)]
     engine.generate(burst, SamplingParams(temperature=0.0, max_tokens=output_blocks * block, ignore_eos=True))
     assert engine.events.counts().get("evict_residual", 0) >= 1 and engine.stats()["preemptions"] == 0
+
+
+@pytest.mark.cuda
+def test_elastickv_demotes_past_one_slot_per_initial_pair(tiny_llama, device):
+    """A freed block is refilled and demoted in turn, so BASE pairs can outnumber the pool's initial pairs: the host
+    backing holds one slot per block. With one per initial pair the quarter-scale dense run ran out of slots and
+    preempted with demotable pairs left; here the burst needs more BASE pairs than that and must not preempt."""
+    block = block_size_for(device)
+    seqs = 6
+    engine = make_engine(tiny_llama, device, policy="elastickv", max_num_seqs=seqs,
+                         kv_cache_budget=96 * block_bytes(block))  # fmt: skip
+    pool_blocks = engine.kv.pool.num_blocks
+    assert engine.runner.host_backing.shape[0] == pool_blocks
+    # Each row needs 40 blocks; with one sink and one recent pair kept TARGET, 18 of its 20 pairs can be BASE.
+    prompt_blocks = 30
+    burst = [[(11 * i + j) % 200 for j in range(prompt_blocks * block)] for i in range(seqs)]
+    most_base = 0
+    for i, prompt in enumerate(burst):
+        engine.add_request(f"b{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10 * block, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        most_base = max(most_base, engine.stats()["base_pairs"])
+    assert seqs * (prompt_blocks + 10) > pool_blocks + pool_blocks // 2 + 1  # more than the old slots could free
+    assert most_base > pool_blocks // 2 + 1 and engine.stats()["preemptions"] == 0

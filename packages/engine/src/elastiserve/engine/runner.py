@@ -76,7 +76,10 @@ class ModelRunner:
         elif self.config.host_backing_bytes is not None:
             num_slots = self.config.host_backing_bytes // slot_bytes
         else:
-            num_slots = self.num_kv_blocks // 2 + 1  # every pair of the pool could be BASE
+            # Every block can end up holding a BASE pair (a freed block is refilled and demoted in turn), so the
+            # default is one slot per block: the pool's bytes. Half that (one per initial pair) ran out in the
+            # quarter-scale dense elastickv run on the H200 and preempted 255 times with demotable pairs left.
+            num_slots = self.num_kv_blocks
         pin = self.device.type == "cuda"
         return torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin)
 

@@ -52,4 +52,9 @@ def warm_up_shapes(config: EngineConfig, num_layers: int, group_size: int, max_l
             for tile_rows in ATTENTION_TILE_ROWS:
                 query_len = min(budget, max(1, tile_rows // group_size))
                 shapes.append(WarmUpShape(fast, path, query_len))
+            if path != NATIVE:
+                # A query over two row tiles: the prefill variant (no flash-decoding splits, and path 3 runs as
+                # path 1). Without it the first prefill next to BASE pairs compiled mid-run: a 2.2 s step in the
+                # quarter-scale dense elastickv run on the H200 (benchmarks/serving/results/dense-small-run3).
+                shapes.append(WarmUpShape(fast, path, min(budget, max(ATTENTION_TILE_ROWS) // group_size + 1)))
     return list(dict.fromkeys(shapes))  # in order, each once
