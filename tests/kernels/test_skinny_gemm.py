@@ -6,10 +6,15 @@ drops a K block, a row or a residual bit fails. Covered: plain fp16 weights, nes
 nestings, M in {1, 3, 8}, N off the tile, K with and without a K tail (EVEN_K), split-K 1 and 3, the deferred and the
 per-step K reduction, bias and none, a prescaled E4M3 layer; ``elastiserve::skinny_linear`` passes ``opcheck``;
 ``nested_gemm.nested_gemm`` routes M <= 8 to the skinny kernel on the interpreter and M = 9 to the tl.dot kernel,
-and no GPU arch routes anything there by default.
+and no GPU arch routes anything there by default; compiled for sm90 (CPU only), the main loop has no layout
+conversion or barrier.
 """
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,59 +250,31 @@ def test_ptx_decode(device, nesting, mode):
 
 # ---- compiled for sm90 on the CPU: the interpreter cannot see layouts, so pin them here -------------------------
 
+COMPILE_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "compile_report.py"
 _COMPILE_SM90 = """
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from elastiserve.kernels import skinny_gemm
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
 from elastiserve.kernels.configs import SkinnyConfig
-
-def compile_variant(mode, m_pad, config, partial, even_k):
-    fn = skinny_gemm._skinny_gemm_kernel
-    wide = skinny_gemm.MODE_IDS[mode] == 3
-    pointers = {"x_ptr": "*fp16", "w_ptr": "*fp16" if wide else "*u8", "lower_ptr": "*fp16" if wide else "*u8",
-                "bias_ptr": "*fp16", "out_ptr": "*fp32" if partial else "*fp16"}
-    constexprs = dict(stride_xk=1, stride_wk=1, stride_lk=1, stride_on=1, MODE=skinny_gemm.MODE_IDS[mode], NESTING=1,
-                      HAS_BIAS=True, PARTIAL=partial, EVEN_K=even_k, PTX_DECODE=config.ptx_decode,
-                      DEFER=skinny_gemm.defers_reduction(config, m_pad), M_PAD=m_pad, BLOCK_N=config.block_n,
-                      BLOCK_K=config.block_k)
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):  # what the launcher passes on a GPU: 16-aligned pointers and sizes
-        signature[name] = pointers.get(name) or ("constexpr" if name in constexprs else
-                                                 "fp32" if name == "w_scale" else "i32")
-        if name in pointers or signature[name] == "i32" and name != "M":
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-    ttgir = kernel.asm["ttgir"]
-    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
-    ptx = kernel.asm["ptx"]
-    branches = [(m.start(), m.group(1)) for m in re.finditer(r"bra(?:\\.uni)?\\s+(\\$L__BB0_\\d+);", ptx)]
-    at, header = next((at, label) for at, label in branches if ptx.index(label + ":") < at)  # the back edge
-    body = ptx[ptx.index(header + ":"):at]
-    return {"convert_layout": loop.count("convert_layout"), "bar": body.count("bar.sync"),
-            "shfl": body.count("shfl.sync")}
-
 cases = [("plain", 1, SkinnyConfig(16, 256), False, True),
          ("full", 2, SkinnyConfig(16, 256, ptx_decode=True), True, False),
          ("weight_only", 8, SkinnyConfig(16, 256, ptx_decode=True), False, True)]
-print(json.dumps([compile_variant(*case) for case in cases]))
+print(json.dumps([report.loop_facts(report.compile_skinny(mode, m_pad, config, 90, partial, even_k))
+                  for mode, m_pad, config, partial, even_k in cases]))
 """
 
 
 def test_sm90_compile_keeps_the_loop_free_of_layout_traffic():
-    """Compiled for sm90 (no GPU needed): the x loads share the weight tile's layout (no convert_layout, so no shared
-    memory round trip, in the loop); the deferred variants do no cross-lane work per step, and the per-step one
-    (M_PAD = 8) reduces with shuffles inside a warp, not through shared memory."""
-    import os
-    import subprocess
-    import sys
-
+    """Compiled for sm90 by benchmarks/kernels/compile_report.py (no GPU needed): the x loads share the weight tile's
+    layout (no convert_layout, so no shared-memory round trip, in the loop); the deferred variants (M_PAD 1, 2) do no
+    cross-lane work per step, and the per-step one (M_PAD 8) reduces with shuffles inside a warp, no barrier."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, str(COMPILE_REPORT)], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     plain, full, weight_only = json.loads(done.stdout.splitlines()[-1])
-    assert plain == {"convert_layout": 0, "bar": 0, "shfl": 0}
-    assert full == {"convert_layout": 0, "bar": 0, "shfl": 0}
-    assert weight_only["convert_layout"] == 0 and weight_only["bar"] == 0 and weight_only["shfl"] > 0
+    quiet = {"loop_convert_layout": 0, "loop_barriers": 0, "loop_shuffles": 0}
+    assert {key: plain[key] for key in quiet} == quiet and {key: full[key] for key in quiet} == quiet
+    assert weight_only["loop_convert_layout"] == 0 and weight_only["loop_barriers"] == 0
+    assert weight_only["loop_shuffles"] > 0

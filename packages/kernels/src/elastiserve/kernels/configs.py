@@ -200,7 +200,9 @@ SKINNY_MAX_M: dict[str, dict[str, int]] = {
     "sm90": {}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
     "cpu": dict.fromkeys(SKINNY_MODES, SKINNY_MAX_ROWS),
 }
-# Untimed GPU starting point (128-bit loads, a few KB of weight per stage); the interpreter takes small tiles.
+# Untimed GPU starting point (128-bit loads, 4-8 KB of weight per step); the interpreter takes small tiles. num_stages
+# is kept for the launch, but Triton 3.6 does not pipeline this loop (no tl.dot: 0 async copies at 1, 3 or 6 stages,
+# benchmarks/kernels/compile_report.py): its loads wait in place, and resident programs hide the latency.
 _SKINNY_TILES = {"cpu": SkinnyConfig(16, 32, num_warps=4, num_stages=1)}
 _SKINNY_GPU_TILE = SkinnyConfig(16, 256, num_warps=4, num_stages=3)
 # Split-K counts programs, not waves of one program per SM: a skinny program has one 4-8 KB weight tile in flight
