@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from elastiserve.kernels import attention, attention_kernels, configs, nested_gemm
+from elastiserve.kernels import attention, attention_kernels, configs, nested_gemm, skinny_gemm
 
 ALIGNED_INTS = ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ln", "stride_os", "stride_om",
                 "stride_block", "stride_kv", "stride_head", "stride_tok", "stride_qt", "stride_ot", "stride_bt",
@@ -82,6 +82,49 @@ def gemm_report(arch: int) -> list[dict]:
     return rows
 
 
+def compile_skinny(mode: str, m_pad: int, config: configs.SkinnyConfig, arch: int, partial: bool = False,
+                   even_k: bool = True):
+    fn = skinny_gemm._skinny_gemm_kernel
+    plane = "*fp16" if mode == "plain" else "*u8"
+    types = {n: "i32" for n in fn.arg_names}
+    types.update({"x_ptr": "*fp16", "w_ptr": plane, "lower_ptr": plane, "bias_ptr": "*fp16",
+                  "out_ptr": "*fp32" if partial else "*fp16", "w_scale": "fp32"})
+    const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": skinny_gemm.MODE_IDS[mode],
+             "NESTING": 1, "HAS_BIAS": True, "PARTIAL": partial, "EVEN_K": even_k, "PTX_DECODE": config.ptx_decode,
+             "DEFER": skinny_gemm.defers_reduction(config, m_pad), "M_PAD": m_pad, "BLOCK_N": config.block_n,
+             "BLOCK_K": config.block_k}
+    return compile_kernel(fn, types, const, config.num_warps, config.num_stages, arch)
+
+
+def loop_facts(kernel) -> dict:
+    """What the (first) main loop does besides loads and FMAs: layout conversions in its TTGIR, and the barriers and
+    warp shuffles of its PTX body (from the loop header to the back edge)."""
+    ttgir = kernel.asm["ttgir"]
+    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+    ptx = kernel.asm["ptx"]
+    branches = [(m.start(), m.group(1)) for m in re.finditer(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ptx)]
+    at, header = next((at, label) for at, label in branches if ptx.index(label + ":") < at)  # the back edge
+    body = ptx[ptx.index(header + ":"):at]
+    return {"loop_convert_layout": loop.count("convert_layout"), "loop_barriers": body.count("bar.sync"),
+            "loop_shuffles": body.count("shfl.sync"), "loop_global_loads": body.count("ld.global")}
+
+
+def skinny_report(arch: int) -> list[dict]:
+    rows = []
+    for mode in configs.SKINNY_MODES:
+        for m_pad in (1, 2, 4, 8):
+            config = configs.skinny_config(f"sm{arch}", mode, m_pad, 6144, 4096, 132)
+            kernel = compile_skinny(mode, m_pad, config, arch, partial=config.split_k > 1)
+            row = {"kernel": "skinny_gemm", "mode": mode, "M_PAD": m_pad, "N": 6144, "K": 4096, "config": repr(config),
+                   "defer": skinny_gemm.defers_reduction(config, m_pad), **facts(kernel, arch, 32 * config.num_warps),
+                   **loop_facts(kernel)}
+            rows.append(row)
+            print(f"skinny {mode:11s} M_PAD {m_pad}  {'defer' if row['defer'] else 'step '}  regs {row['registers']:3d}"
+                  f"  loop: {row['loop_convert_layout']} layout conversions, {row['loop_barriers']} barriers, "
+                  f"{row['loop_shuffles']} shuffles, {row['loop_global_loads']} global loads", flush=True)
+    return rows
+
+
 def attention_report(arch: int) -> list[dict]:
     fn = attention_kernels.paged_attention_kernel
     types = {n: "i32" for n in fn.arg_names}
@@ -112,7 +155,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     report = {"arch": f"sm{args.arch}", "triton": triton.__version__, "gemm": gemm_report(args.arch),
-              "attention": attention_report(args.arch)}
+              "skinny_gemm": skinny_report(args.arch), "attention": attention_report(args.arch)}
     Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 

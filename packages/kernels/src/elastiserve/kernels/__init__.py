@@ -1,7 +1,10 @@
 """elastiserve Triton kernels as torch custom ops (namespace ``torch.ops.elastiserve``), each with a pure-torch
 reference beside it. Importing this package registers every op."""
 
-from elastiserve.kernels import nested_moe  # noqa: F401  (registers elastiserve::nested_moe)
+from elastiserve.kernels import (
+    nested_moe,  # noqa: F401  (registers elastiserve::nested_moe)
+    skinny_gemm,  # noqa: F401  (registers elastiserve::skinny_linear)
+)
 from elastiserve.kernels.attention import paged_attention
 from elastiserve.kernels.attention_plan import (
     GENERAL,

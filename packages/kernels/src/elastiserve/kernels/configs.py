@@ -166,6 +166,81 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) ->
     return config
 
 
+# ---- skinny (GEMV-style) decode GEMM: skinny_gemm.py --------------------------------------------------------------
+
+SKINNY_MODES = ("plain", "full", "weight_only")  # plain: an fp16 weight [N, K]; the others read nested planes
+SKINNY_MAX_ROWS = 8  # the kernel keeps one accumulator per row, eight at most (skinny_gemm.py says why)
+SKINNY_MAX_TILE = 16384  # BLOCK_N * BLOCK_K elements: one fp32 tile of 64 registers per thread at 8 warps
+
+
+@dataclass(frozen=True, slots=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    ptx_decode: bool = False  # nested planes only, NVIDIA only (nested_gemm.check_ptx_decode)
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ConfigError(f"SkinnyConfig.{name}={value} must be a power of two")
+        if self.block_k < 16 or self.block_n * self.block_k > SKINNY_MAX_TILE:
+            raise ConfigError(f"SkinnyConfig needs block_k >= 16, block_n * block_k <= {SKINNY_MAX_TILE}: {self}")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ConfigError(f"split_k and num_stages must be >= 1, got {self}")
+
+
+# Largest M that takes the skinny kernel, per arch and mode; an arch or mode not listed never takes it. Every GPU
+# arch is empty until a GPU probe (benchmarks/kernels/probe_skinny_gemm.py) has timed it against cuBLAS and the tl.dot
+# kernel. The interpreter takes it at every M it supports so the CPU tests reach it through the normal dispatch.
+SKINNY_MAX_M: dict[str, dict[str, int]] = {
+    "sm90": {}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
+    "cpu": dict.fromkeys(SKINNY_MODES, SKINNY_MAX_ROWS),
+}
+# Untimed GPU starting point (128-bit loads, 4-8 KB of weight per step); the interpreter takes small tiles. num_stages
+# is kept for the launch, but Triton 3.6 does not pipeline this loop (no tl.dot: 0 async copies at 1, 3 or 6 stages,
+# benchmarks/kernels/compile_report.py): its loads wait in place, and resident programs hide the latency.
+_SKINNY_TILES = {"cpu": SkinnyConfig(16, 32, num_warps=4, num_stages=1)}
+_SKINNY_GPU_TILE = SkinnyConfig(16, 256, num_warps=4, num_stages=3)
+# Split-K counts programs, not waves of one program per SM: a skinny program has one 4-8 KB weight tile in flight
+# per stage, and an SM needs ~20 KB in flight to cover HBM latency at its share of 4.3 TB/s (an estimate), so the
+# occupancy split aims at this many resident programs per SM, and only grids short of that split at all (a split
+# costs a second kernel, the fp32 partials' reduce). At 16x256 tiles o (4096x4096) and down (4096x14336) then get
+# split 2 (512 programs instead of 256, one or two per SM), qkv (6144) split 4, gate_up (28672) none.
+SKINNY_PROGRAMS_PER_SM = 4
+
+
+def skinny_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
+    """The skinny kernel's tile for these sizes, whether or not ``SKINNY_MAX_M`` routes them to it."""
+    if mode not in SKINNY_MODES:
+        raise ConfigError(f"the skinny GEMM has no mode {mode!r}; expected one of {SKINNY_MODES}")
+    if not 1 <= m <= SKINNY_MAX_ROWS:
+        raise ConfigError(f"the skinny GEMM takes 1..{SKINNY_MAX_ROWS} rows, got M={m}")
+    config = _SKINNY_TILES.get(arch, _SKINNY_GPU_TILE)
+    if arch == "sm90" and mode != "plain":  # the packed decode is what made sm90 decode tiles fast (see _DECODE_PTX)
+        config = replace(config, ptx_decode=True)
+    return config if arch == "cpu" else with_skinny_split(config, n, k, num_sms)
+
+
+def with_skinny_split(config: SkinnyConfig, n: int, k: int, num_sms: int) -> SkinnyConfig:
+    """``config`` with the occupancy split-K for an [N, K] weight (``SKINNY_PROGRAMS_PER_SM``)."""
+    tiles, slots = -(-n // config.block_n), num_sms * SKINNY_PROGRAMS_PER_SM
+    split = _split_for_occupancy(tiles, -(-k // config.block_k), slots) if tiles < slots else 1
+    return replace(config, split_k=split)
+
+
+def choose_skinny(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) -> SkinnyConfig | None:
+    """The skinny kernel's config where ``SKINNY_MAX_M`` routes (arch, mode, M) to it, else None."""
+    if mode not in SKINNY_MODES and mode not in MODES:
+        raise ConfigError(f"unknown GEMM mode {mode!r}")
+    if not 1 <= m <= SKINNY_MAX_M.get(arch, {}).get(mode, 0):
+        return None
+    return skinny_config(arch, mode, m, n, k, num_sms)
+
+
 def candidate_configs(mode: str, m: int) -> list[GemmConfig]:
     """A handful of alternatives around the table entry, for the opt-in tuner."""
     base = _SM90[mode][m_bucket(m)]

@@ -6,6 +6,9 @@ Modes (``MODE`` constexpr):
 * fp8 (2): fast mode on archs with fp8 MMA: activations quantized per token to e4m3 (``quantize_per_token``),
   ``tl.dot`` on fp8 operands; MI300 reads the OCP bytes as FNUZ (0x80 -> 0, scale doubled).
 
+Full and weight-only modes at decode sizes go to the GEMV-style kernel in ``skinny_gemm.py`` where
+``configs.SKINNY_MAX_M`` routes (arch, mode, M) there and no explicit ``config`` was passed.
+
 A prescaled E4M3 layer (planes of ``w * 2^-weight_exp``) gets its ``2^weight_exp`` back in the epilogue: the fp32
 accumulator is multiplied by ``w_scale`` (a power of two, so exact) before the bias.
 
@@ -181,7 +184,7 @@ def weight_scale(nesting: int, mode: str, fnuz: bool, weight_exp: int = 0) -> fl
     return prescale * (base * 2.0 if fnuz else base)  # an OCP byte read as FNUZ is value / 2
 
 
-def check_ptx_decode(config: configs.GemmConfig, platform) -> None:
+def check_ptx_decode(config: configs.GemmConfig | configs.SkinnyConfig, platform) -> None:
     """A tabled or explicit PTX decode that cannot run here raises instead of silently decoding portably."""
     if config.ptx_decode and (platform.vendor is not Vendor.NVIDIA or triton_interpret()):
         raise ConfigError(f"ptx_decode needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
@@ -201,11 +204,16 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     n = upper.shape[0]
     if upper.shape[1] != k:
         raise ValueError(f"x has K={k} but the weight planes are {tuple(upper.shape)}")
-    out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     if m == 0:
-        return out
+        return torch.empty((m, n), dtype=torch.float16, device=x.device)
     platform = current_platform()
     if config is None:
+        skinny = configs.choose_skinny(platform.arch, mode, m, n, k, platform.num_sms)
+        if skinny is not None:
+            from elastiserve.kernels import skinny_gemm  # deferred: skinny_gemm imports this module at its top
+
+            return skinny_gemm.skinny_nested(x, upper, lower, bias, nesting, mode, fnuz=fnuz, weight_exp=weight_exp,
+                                             config=skinny)
         config = configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)
     if mode == "fp8" and config.block_k < 32:
         raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
@@ -213,6 +221,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     x_scale = x  # placeholder pointer when unused
     if mode == "fp8":
         x, x_scale = quantize_per_token(x, fnuz)
+    out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
@@ -229,11 +238,17 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else out, out, m, n, SPLIT_K=split, HAS_BIAS=bias is not None,
-            BLOCK=block, num_warps=4)
+        reduce_split_k(target, bias, out)
     return out
+
+
+def reduce_split_k(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[M, N] (fp16) = sum of the contiguous fp32 partials[S, M, N] over S, plus bias."""
+    split, m, n = partials.shape
+    block = 1024
+    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        partials, bias if bias is not None else out, out, m, n, SPLIT_K=split, HAS_BIAS=bias is not None,
+        BLOCK=block, num_warps=4)
 
 
 def fast_mode_for(m: int, *, grouped: bool = False) -> str:
