@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastiserve.engine.models.layers import Linear
 from elastiserve.platforms import ConfigError
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def _rows(weight: torch.Tensor, sizes: list[int], rank: int, world: int) -> torc
 
 
 def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+    linear = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
                        dtype=weight.dtype)  # fmt: skip
     linear.weight.data.copy_(weight)
     if bias is not None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from elastiserve.engine.models.config import ModelConfig
-from elastiserve.engine.models.layers import Attention, AttentionContext, GatedMLP, RMSNorm, RotaryEmbedding
+from elastiserve.engine.models.layers import Attention, AttentionContext, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from elastiserve.engine.models.moe import SparseMoeBlock
 from elastiserve.platforms import ElastiserveError
 
@@ -73,7 +73,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.decoder_layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

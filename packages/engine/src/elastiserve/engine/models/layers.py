@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from elastiserve.engine.models.config import ModelConfig, RopeConfig
+from elastiserve.kernels import skinny_gemm  # noqa: F401  (registers elastiserve::skinny_linear)
+from elastiserve.kernels.configs import SKINNY_MAX_ROWS
 from elastiserve.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from elastiserve.kernels.rotary import rotary_embedding_ref
 from elastiserve.kernels.silu_mul import silu_and_mul_ref
@@ -100,6 +102,18 @@ class RotaryEmbedding(nn.Module):
         return elementwise_ops(q.device).rotary_embedding(positions, q, k, self.cos_table, self.sin_table)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose fp16 GPU forward at decode row counts goes through ``elastiserve::skinny_linear``: the
+    skinny (GEMV-style) kernel where the platform's table routes those sizes, torch's GEMM otherwise. Longer inputs
+    (prefill) call torch directly, without the op's dispatch cost."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        decode_rows = x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
+        if x.is_cuda and decode_rows and x.dtype == self.weight.dtype == torch.float16:
+            return torch.ops.elastiserve.skinny_linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -108,8 +122,8 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -133,8 +147,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
