@@ -71,10 +71,11 @@ def build_engine(args: argparse.Namespace, policy: str, *, max_num_seqs: int, kv
     return LLMEngine(config, eos_token_ids=())
 
 
-def close_engine(engine) -> None:
-    engine.close()
-    del engine
+def free_device_memory() -> None:
+    """After an engine is closed and its last name dropped (``del``): collect it and hand its cached blocks back
+    (a name still bound to a closed engine keeps its weights alive while the next one loads)."""
     gc.collect()
+    torch.cuda.empty_cache()
 
 
 def metadata(args: argparse.Namespace) -> dict[str, Any]:
@@ -206,7 +207,9 @@ def run_fp16(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
     forward_only = time_calls(fn, engine.device, args.iters, args.trials)["median_s"]
     weights = weight_bytes_per_step(engine.model)
     kv = kv_bytes_read(engine.model.config, one.seq_lens[0])
-    close_engine(engine)
+    engine.close()
+    del engine
+    free_device_memory()
     copy = copy_bandwidth(torch.device(args.device), args.copy_bytes, args.iters, args.trials)
     step = next(r["fp16_s"] for r in steps if r["batch"] == 1)
     roofline = {"step_s": step, "forward_only_s": forward_only, "weight_bytes": weights, "kv_bytes": kv,
@@ -279,7 +282,9 @@ def run_dps(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
             engine.abort_request(seq.request_id)
     if "switch" in args.parts:
         out["switch"] = run_switch(engine, args)
-    close_engine(engine)
+    engine.close()
+    del engine
+    free_device_memory()
     return out
 
 
@@ -328,7 +333,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                      before["preemptions"], "steps": stats["steps"] - before["steps"],
                      "transitions": stats["transitions"], "kv_blocks": stats["total_blocks"]})
         print(f"throughput {json.dumps(rows[-1])}", flush=True)  # kept in the log if a time limit cuts the run
-        close_engine(engine)
+        engine.close()
+        del engine
+        free_device_memory()
     return {"trace": trace, "prompt_tokens": sum(p for p, _ in lengths), "max_model_len": args.max_model_len,
             "policies": rows}
 

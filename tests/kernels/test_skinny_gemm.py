@@ -181,14 +181,19 @@ def test_config_validation(kwargs):
         SkinnyConfig(**kwargs)
 
 
-# ---- dispatch (CPU: the interpreter's table routes M <= 8 here; GPU tables are empty until probed) ------------
+# ---- dispatch (CPU: the interpreter's table routes M <= 8 here; sm90 as the H200 probe measured; others empty) ---
 
 
-def test_no_gpu_arch_takes_the_skinny_kernel_by_default():
+def test_skinny_routing_follows_the_measured_table():
+    sm90 = {"plain": 1, "full": 2, "weight_only": 1}  # configs.SKINNY_MAX_M says where these come from
     for arch in configs.TABLES:
         for mode in configs.SKINNY_MODES:
-            routed = configs.choose_skinny(arch, mode, 1, 4096, 4096, 132)
-            assert (routed is not None) == (arch == "cpu"), (arch, mode)
+            for m in (1, 2, 3):
+                routed = configs.choose_skinny(arch, mode, m, 4096, 4096, 132)
+                expected = arch == "cpu" or (arch == "sm90" and m <= sm90[mode])
+                assert (routed is not None) == expected, (arch, mode, m)
+    assert configs.choose_skinny("sm90", "full", 1, 6144, 4096, 132) == SkinnyConfig(8, 512, 4, 3, 1, True)
+    assert configs.choose_skinny("sm90", "plain", 1, 6144, 4096, 132).ptx_decode is False
     assert configs.choose_skinny("cpu", "fp8", 1, 64, 64, 2) is None
     assert configs.choose_skinny("cpu", "full", 9, 64, 64, 2) is None
     with pytest.raises(ConfigError):
@@ -198,12 +203,15 @@ def test_no_gpu_arch_takes_the_skinny_kernel_by_default():
 
 
 def test_split_k_fills_the_sms():
-    """o (4096x4096) and down (4096x14336) have 256 column tiles for 132 SMs: split-K at least doubles them; gate_up
-    (28672 columns) has programs enough and is not split."""
+    """At 16-wide tiles o (4096x4096) and down (4096x14336) have 256 column tiles for 132 SMs: split-K at least
+    doubles them; gate_up (28672 columns) has programs enough and is not split. sm90's tabled tiles take the same
+    rule (8-wide: 512 programs for o, no split), and its nested modes decode with PTX."""
     for n, k, split in ((4096, 4096, 2), (4096, 14336, 2), (28672, 4096, 1)):
+        assert configs.with_skinny_split(SkinnyConfig(16, 256), n, k, 132).split_k == split, (n, k)
         for mode in configs.SKINNY_MODES:
             config = configs.skinny_config("sm90", mode, 1, n, k, 132)
-            assert config.split_k == split and config.ptx_decode == (mode != "plain"), (n, k, config)
+            assert config.ptx_decode == (mode != "plain"), (n, k, config)
+            assert config == configs.with_skinny_split(config, n, k, 132), (n, k, config)  # the tile's own split
 
 
 def test_nested_gemm_routes_decode_rows_to_skinny(monkeypatch, device):

@@ -193,12 +193,23 @@ class SkinnyConfig:
             raise ConfigError(f"split_k and num_stages must be >= 1, got {self}")
 
 
-# Largest M that takes the skinny kernel, per arch and mode; an arch or mode not listed never takes it. Every GPU
-# arch is empty until a GPU probe (benchmarks/kernels/probe_skinny_gemm.py) has timed it against cuBLAS and the tl.dot
-# kernel. The interpreter takes it at every M it supports so the CPU tests reach it through the normal dispatch.
+# Largest M that takes the skinny kernel, per arch and mode; an arch or mode not listed never takes it. sm90 from the
+# H200 probe (benchmarks/kernels/results/h200-skinny-probe-run1.json; Llama-3.1-8B qkv / o / gate_up / down, CUDA
+# graphs over weights past the L2): at M = 1 the skinny kernel beat cuBLAS fp16 on every shape in every mode (plain
+# 1.04-1.26x, full 1.06-1.30x, weight-only 1.67-1.87x) and the tl.dot nested kernel (full 1.18-1.26x, weight-only
+# 1.20-1.53x); at M = 2 only full mode still beat the tl.dot kernel on all four (1.05-1.11x); from M = 4 it lost.
+# Other GPU archs are not timed: empty. The interpreter takes every M so the CPU tests reach it through the dispatch.
 SKINNY_MAX_M: dict[str, dict[str, int]] = {
-    "sm90": {}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
+    "sm90": {"plain": 1, "full": 2, "weight_only": 1}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
     "cpu": dict.fromkeys(SKINNY_MODES, SKINNY_MAX_ROWS),
+}
+# sm90 tiles: per mode and M, the candidate with the best geomean over the four shapes, relative to each shape's best
+# candidate, in the same probe: 1.02-1.03x of the per-shape best (worst shape 1.06x).
+_SKINNY_SM90 = {
+    ("plain", 1): SkinnyConfig(16, 1024, num_warps=8, num_stages=3),
+    ("full", 1): SkinnyConfig(8, 512, num_warps=4, num_stages=3),
+    ("full", 2): SkinnyConfig(8, 512, num_warps=4, num_stages=3),
+    ("weight_only", 1): SkinnyConfig(8, 1024, num_warps=8, num_stages=3),
 }
 # Untimed GPU starting point (128-bit loads, 4-8 KB of weight per step); the interpreter takes small tiles. num_stages
 # is kept for the launch, but Triton 3.6 does not pipeline this loop (no tl.dot: 0 async copies at 1, 3 or 6 stages,
@@ -220,6 +231,8 @@ def skinny_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) ->
     if not 1 <= m <= SKINNY_MAX_ROWS:
         raise ConfigError(f"the skinny GEMM takes 1..{SKINNY_MAX_ROWS} rows, got M={m}")
     config = _SKINNY_TILES.get(arch, _SKINNY_GPU_TILE)
+    if arch == "sm90":
+        config = _SKINNY_SM90.get((mode, m), config)
     if arch == "sm90" and mode != "plain":  # the packed decode is what made sm90 decode tiles fast (see _DECODE_PTX)
         config = replace(config, ptx_decode=True)
     return config if arch == "cpu" else with_skinny_split(config, n, k, num_sms)
