@@ -283,9 +283,13 @@ def test_dps_reads_residual_units_as_weights_not_kv(tiny_llama, device):
     for SmolLM2 in the demo, and evicted every layer at the first step); a burst larger than the pool does evict,
     and the stats count only what KV can use."""
     block = block_size_for(device)
-    # A GPU pool is whole 2 MiB VMM units (341 of this model's 16-token blocks): its burst needs more, longer rows.
+    # A GPU pool is whole 2 MiB VMM units (341 of this model's 16-token blocks): its burst needs more, longer rows,
+    # and a token budget that lets all of them run at once (16 tokens a step kept at most 16 rows decoding, 240
+    # blocks: the H200 run never pressed the pool).
     seqs, prompt_blocks, output_blocks = (8, 3, 6) if device.type == "cpu" else (32, 12, 3)
-    engine = make_engine(tiny_llama, device, policy="dps", kv_cache_budget=16 * block_bytes(block), max_num_seqs=seqs)
+    budget = 16 if device.type == "cpu" else 512
+    engine = make_engine(tiny_llama, device, policy="dps", kv_cache_budget=16 * block_bytes(block), max_num_seqs=seqs,
+                         max_num_batched_tokens=budget)  # fmt: skip
     stats = engine.stats()
     assert stats["kv_blocks"] < stats["total_blocks"] and stats["kv_usage"] == 0.0
     assert seqs * (prompt_blocks + output_blocks) > stats["kv_blocks"]  # the burst overfills the KV-only pool
