@@ -121,3 +121,14 @@ def test_plain_fp16_experts_match_reference(device):
 def test_opcheck_grouped_gemm(device):
     x, w, _, _, offsets = _problem(device, Nesting.E4M3, [2, 0, 5], 32, 32)
     torch.library.opcheck(torch.ops.elastiserve.grouped_gemm.default, (x, w, offsets))
+
+
+def test_grouped_gemm_compiles_fullgraph(device):
+    torch._dynamo.reset()
+    x, w, _, _, offsets = _problem(device, Nesting.E4M3, [2, 0, 5], 32, 32)
+
+    def experts(x):
+        return torch.ops.elastiserve.grouped_gemm(torch.relu(x), w, offsets) * 2
+
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager" if device.type == "cpu" else "inductor")
+    torch.testing.assert_close(compiled(x), experts(x), rtol=1e-3, atol=1e-3)

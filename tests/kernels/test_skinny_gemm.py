@@ -151,6 +151,18 @@ def test_opcheck_skinny_linear(device):
     torch.library.opcheck(torch.ops.elastiserve.skinny_linear.default, (x, w, None))
 
 
+def test_skinny_linear_compiles_fullgraph(device):
+    torch._dynamo.reset()
+    x, w, b = _plain(2, 24, 32, device)
+    w2 = w[:, :24].contiguous()
+
+    def two_layers(x):
+        return torch.ops.elastiserve.skinny_linear(torch.relu(torch.ops.elastiserve.skinny_linear(x, w, b)), w2, None)
+
+    compiled = torch.compile(two_layers, fullgraph=True, backend="aot_eager" if device.type == "cpu" else "inductor")
+    torch.testing.assert_close(compiled(x), two_layers(x), rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.cuda
 def test_rejects_bad_inputs(device):
     x, w, b = _plain(3, 24, 32, device)
