@@ -38,10 +38,10 @@ import triton.language as tl
 from elastiserve.kernels import configs, nested_gemm
 from elastiserve.kernels.configs import SKINNY_MAX_ROWS, SkinnyConfig
 from elastiserve.kernels.formats import Nesting
-from elastiserve.kernels.weight_decode import load_weight_tile
+from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
 from elastiserve.platforms import ConfigError, current_platform
 
-MODE_IDS = {"full": nested_gemm.FULL, "weight_only": nested_gemm.WEIGHT_ONLY, "plain": 3}
+MODE_IDS = {"full": nested_gemm.FULL, "weight_only": nested_gemm.WEIGHT_ONLY, "plain": PLAIN}
 DEFER_MAX_REGS = 64  # fp32 accumulator registers per thread for the deferred (end-of-loop) K reduction
 
 
@@ -118,11 +118,8 @@ def _skinny_gemm_kernel(
             w_mask = mask_n[:, None]
         else:
             w_mask = mask_n[:, None] & (offs_k < K)[None, :]
-        if MODE == 3:  # plain fp16
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-        else:
-            w = load_weight_tile(w_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
-                                 MODE, NESTING, False, PTX_DECODE)
+        w = load_weight_tile(w_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
+                             MODE, NESTING, False, PTX_DECODE)  # MODE PLAIN loads the fp16 weight as it is
         w = w.to(tl.float32)
         acc0 = _row_fma(acc0, w, x_ptr, 0, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
         if M_PAD > 1:
