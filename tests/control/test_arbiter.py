@@ -1,6 +1,8 @@
 """Pins the arbiter: each preset uses only its mechanisms, the cost order (cheap residual layers, then demotion,
 then preemption only for running work), recovery in reverse cost order, and no flapping under steady load."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,7 +35,10 @@ def test_each_preset_uses_only_its_mechanisms():
     ekv = Arbiter(preset("elastickv"), 128).decide_pressure(o)
     assert ekv.demote_pairs == 30 and ekv.evict_residual_layers == () and ekv.preempt == 0
     comb = Arbiter(preset("combined"), 128).decide_pressure(o)
-    assert comb.evict_residual_layers == (0, 1) and comb.demote_pairs == 0  # 30 blocks -> 2 layers of 20
+    # 30 blocks need 2 layers of 20; the preset's min_evict_layers = 4 takes all four this test model has.
+    assert comb.evict_residual_layers == (0, 1, 2, 3) and comb.demote_pairs == 0
+    exact = replace(preset("combined"), precision=replace(preset("combined").precision, min_evict_layers=1))
+    assert Arbiter(exact, 128).decide_pressure(o).evict_residual_layers == (0, 1)
 
 
 def test_combined_demotes_after_residuals_run_out_and_preempts_last():

@@ -58,3 +58,17 @@ def test_static_fast_never_restores():
     policy = PrecisionPolicy(PrecisionConfig(static_fast=True))
     assert policy.plan_eviction(obs(free=900), 0) == ALL_LAYERS
     assert policy.plan_restore(obs(free=990, free_units=80, evicted=range(4), total=1080, restorable=(0,)), 0) == ()
+
+
+def test_layer_granularity_evicts_at_least_min_layers_and_restores_the_last_evicted_first():
+    policy = PrecisionPolicy(PrecisionConfig(granularity="layer", min_evict_layers=3))
+    assert policy.plan_eviction(obs(free=500), 5) == (0, 1, 2)  # the shortage needs one layer; B_min is three
+    assert policy.plan_eviction(obs(free=500), 61) == (0, 1, 2, 3)  # needs four: more than the minimum
+    assert policy.plan_eviction(obs(free=500, evicted=(0, 1, 2), total=1060), 5) == (3,)  # only one left
+    # The fast set stays a prefix: of evicted 0-2 (all restorable, listed in any order) layer 2 comes back first.
+    calm = dict(free=900, free_units=40, evicted=(0, 1, 2), total=1060)
+    assert policy.plan_restore(obs(restorable=(0, 1, 2), **calm), 0) == (2,)
+    assert policy.plan_restore(obs(restorable=(2, 0, 1), **calm), 0) == (2,)
+    assert policy.plan_restore(obs(restorable=(0, 1), **calm), 0) == (1,)  # layer 2's units still hold KV
+    with pytest.raises(Exception, match="min_evict_layers"):
+        PrecisionConfig(min_evict_layers=0)

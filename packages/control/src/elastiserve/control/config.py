@@ -69,6 +69,9 @@ class PrecisionConfig:
     starts. Thresholds alone flap when the mode itself changes throughput (fast mode drains the queue, full mode
     refills it); the dwell turns that into a few long windows.
     ``static_fast`` is the static-FP8 baseline: every residual evicted from the start and never restored.
+    ``min_evict_layers`` (per-layer granularity): evict at least this many layers at once, ElasticKV's B_min applied
+    to layers. Sized to the shortage alone, a burst on the H200 (reduced dense headline, combined) evicted 11 times
+    in 1-5 layer steps, each a new mix of full and fast layers whose decode graphs were captured mid-run.
     """
 
     kappa_low: float = 0.6
@@ -77,12 +80,14 @@ class PrecisionConfig:
     restore_min_free_units: int = 2
     restore_dwell_s: float = 5.0
     static_fast: bool = False
+    min_evict_layers: int = 1
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.kappa_low < self.kappa_high, "need 0 <= kappa_low < kappa_high (hysteresis band)")
         _require(self.granularity in GRANULARITIES, f"granularity must be one of {GRANULARITIES}")
         _require(self.restore_min_free_units >= 0, "restore_min_free_units must be >= 0")
         _require(self.restore_dwell_s >= 0, "restore_dwell_s must be >= 0")
+        _require(self.min_evict_layers >= 1, "min_evict_layers must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +176,7 @@ def preset(name: str) -> ControlConfig:
     if name == "combined":
         return ControlConfig(
             name=name,
-            precision=PrecisionConfig(granularity="layer"),
+            precision=PrecisionConfig(granularity="layer", min_evict_layers=4),
             arbiter=ArbiterConfig(mechanisms=("evict", "demote", "preempt")),
         )
     raise ConfigError(f"unknown preset {name!r}; choose one of {PRESETS}")

@@ -2,9 +2,10 @@
 
 The policy is stateless: the evicted layers, restorable layers and occupancy come in the observation, and changes
 apply between steps (batch-aligned). Whole-model granularity flips every layer to fast at once, the DPS design;
-per-layer granularity evicts only the k = ceil(shortage_units / units_per_layer) layers a shortage needs.
-Restore goes one layer at a time, only when occupancy < kappa_low, no shortage is pending, that layer's units are
-all FREE, and at least ``restore_min_free_units`` more units stay free afterwards.
+per-layer granularity evicts only the k = ceil(shortage_units / units_per_layer) layers a shortage needs (at least
+``min_evict_layers``), lowest resident first. Restore goes one layer at a time, the last evicted first, only when
+occupancy < kappa_low, no shortage is pending, that layer's units are all FREE, and at least
+``restore_min_free_units`` more units stay free afterwards.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class PrecisionPolicy:
             return ()
         if self.config.granularity == "model":
             return ALL_LAYERS
-        k = max(1, layers_for_shortage(shortage_blocks, obs.blocks_per_unit, obs.units_per_layer))
+        k = max(self.config.min_evict_layers, layers_for_shortage(shortage_blocks, obs.blocks_per_unit,
+                                                                  obs.units_per_layer))
         return tuple(resident[:k])
 
     def freed_blocks(self, obs: StepObservation, layers: tuple[int, ...] | Literal["all"]) -> int:
@@ -72,7 +74,9 @@ class PrecisionPolicy:
             return ()
         if obs.free_units < obs.units_per_layer + self.config.restore_min_free_units:
             return ()
-        for layer in obs.restorable_layers:
+        # Last evicted, first restored: eviction takes the lowest resident layers, so the fast set stays a prefix
+        # of the layers and the engine meets at most num_layers + 1 mixes (each one its own decode graphs).
+        for layer in sorted(obs.restorable_layers, reverse=True):
             if layer in obs.evicted_layers:
                 return (layer,)
         return ()
