@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--gpu-memory-budget", type=parse_size, default=None, help="absolute cap, e.g. 80GB")
     p.add_argument("--kv-cache-budget", type=parse_size, default=None, help="KV pool bytes, e.g. 20GiB")
+    p.add_argument("--host-backing-budget", dest="host_backing_bytes", type=parse_size, default=None,
+                   help="pinned host memory for demoted pairs' low bytes (default: as large as the KV pool; less "
+                        "caps how many pairs can be BASE)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -55,8 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
 
 
 ENGINE_FIELDS = ("device", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
-                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size", "load_format",
-                 "enforce_eager", "seed", "cpu_kv_blocks")
+                 "host_backing_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "tensor_parallel_size", "load_format", "enforce_eager", "seed", "cpu_kv_blocks")
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
