@@ -107,6 +107,40 @@ def build_tile_map(expert_offsets: torch.Tensor, num_tokens: int, block_m: int) 
     return tile_expert.to(torch.int32), row_start.to(torch.int32)
 
 
+def _check_grouped(x_sorted: torch.Tensor, weight_shape: torch.Size, expert_offsets: torch.Tensor) -> None:
+    num_experts, _, k = weight_shape
+    if expert_offsets.shape != (num_experts + 1,) or x_sorted.shape[1] != k:
+        raise ValueError(f"shapes disagree: x {tuple(x_sorted.shape)}, weight {tuple(weight_shape)}, "
+                         f"offsets {tuple(expert_offsets.shape)}")
+
+
+def _grouped_config(mode: str, t: int, weight_shape: torch.Size) -> configs.GemmConfig:
+    # Rows per expert, not T, decide the tile: with top-k routing an expert sees about T / E * k rows.
+    num_experts, n, k = weight_shape
+    platform = current_platform()
+    return configs.choose_config(platform.arch, mode, max(1, t // num_experts), n, k, platform.num_sms)
+
+
+def _launch_grouped(x: torch.Tensor, x_scale: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
+                    expert_offsets: torch.Tensor, out: torch.Tensor, w_scale: float, config: configs.GemmConfig,
+                    mode_id: int, nesting: int, fnuz: bool) -> torch.Tensor:
+    """The one launch of ``_nested_moe_kernel`` (``lower`` is never read in modes that have no lower plane)."""
+    _, n, k = upper.shape
+    offsets = expert_offsets.to(torch.int32)
+    tile_expert, tile_row = build_tile_map(offsets, out.shape[0], config.block_m)
+    _nested_moe_kernel[(tile_expert.numel(), triton.cdiv(n, config.block_n))](
+        x, x_scale, upper, lower, out, tile_expert, tile_row, offsets,
+        n, k,
+        x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), upper.stride(2),
+        lower.stride(0), lower.stride(1), lower.stride(2), out.stride(0), out.stride(1),
+        w_scale,
+        MODE=mode_id, NESTING=nesting, FNUZ=fnuz, EVEN_K=k % config.block_k == 0, PTX_DECODE=config.ptx_decode,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
 def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
                     nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
                     config: configs.GemmConfig | None = None) -> torch.Tensor:
@@ -117,38 +151,18 @@ def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Te
         raise ValueError(f"x_sorted must be 2-D fp16, got {tuple(x_sorted.shape)} {x_sorted.dtype}")
     if upper.dim() != 3 or upper.shape != lower.shape or upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
         raise ValueError("upper and lower must be uint8 [E, N, K] planes of one shape")
-    num_experts, n, k = upper.shape
-    if expert_offsets.shape != (num_experts + 1,) or x_sorted.shape[1] != k:
-        raise ValueError(f"shapes disagree: x {tuple(x_sorted.shape)}, planes {tuple(upper.shape)}, "
-                         f"offsets {tuple(expert_offsets.shape)}")
-    t = x_sorted.shape[0]
-    out = torch.empty((t, n), dtype=torch.float16, device=x_sorted.device)
-    if t == 0:
+    _check_grouped(x_sorted, upper.shape, expert_offsets)
+    out = torch.empty((x_sorted.shape[0], upper.shape[1]), dtype=torch.float16, device=x_sorted.device)
+    if out.shape[0] == 0:
         return out
-    platform = current_platform()
     if config is None:
-        # Rows per expert, not T, decide the tile: with top-k routing an expert sees about T / E * k rows.
-        per_expert = max(1, t // num_experts)
-        config = configs.choose_config(platform.arch, mode, per_expert, n, k, platform.num_sms)
-    check_ptx_decode(config, platform)
+        config = _grouped_config(mode, out.shape[0], upper.shape)
+    check_ptx_decode(config, current_platform())
     x, x_scale = x_sorted, x_sorted
     if mode == "fp8":
         x, x_scale = quantize_per_token(x_sorted, fnuz)
-    offsets = expert_offsets.to(torch.int32)
-    tile_expert, tile_row = build_tile_map(offsets, t, config.block_m)
-    grid = (tile_expert.numel(), triton.cdiv(n, config.block_n))
-    _nested_moe_kernel[grid](
-        x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower, out, tile_expert, tile_row, offsets,
-        n, k,
-        x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), upper.stride(2),
-        lower.stride(0), lower.stride(1), lower.stride(2), out.stride(0), out.stride(1),
-        weight_scale(nesting, mode, fnuz, weight_exp),
-        MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, EVEN_K=k % config.block_k == 0,
-        PTX_DECODE=config.ptx_decode,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return out
+    return _launch_grouped(x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower, expert_offsets, out,
+                           weight_scale(nesting, mode, fnuz, weight_exp), config, MODE_IDS[mode], int(nesting), fnuz)
 
 
 def grouped_gemm_fp16(x_sorted: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor,
@@ -157,31 +171,13 @@ def grouped_gemm_fp16(x_sorted: torch.Tensor, weight: torch.Tensor, expert_offse
     if x_sorted.dim() != 2 or x_sorted.dtype != torch.float16 or weight.dim() != 3 or weight.dtype != torch.float16:
         raise ValueError(f"need fp16 x_sorted [T, K] and weight [E, N, K], got {tuple(x_sorted.shape)} "
                          f"{x_sorted.dtype} and {tuple(weight.shape)} {weight.dtype}")
-    num_experts, n, k = weight.shape
-    if expert_offsets.shape != (num_experts + 1,) or x_sorted.shape[1] != k:
-        raise ValueError(f"shapes disagree: x {tuple(x_sorted.shape)}, weight {tuple(weight.shape)}, "
-                         f"offsets {tuple(expert_offsets.shape)}")
-    t = x_sorted.shape[0]
-    out = torch.empty((t, n), dtype=torch.float16, device=x_sorted.device)
-    if t == 0:
+    _check_grouped(x_sorted, weight.shape, expert_offsets)
+    out = torch.empty((x_sorted.shape[0], weight.shape[1]), dtype=torch.float16, device=x_sorted.device)
+    if out.shape[0] == 0:
         return out
-    if config is None:  # full mode's tiles (two weight bytes per element), without its decode
-        platform = current_platform()
-        config = configs.choose_config(platform.arch, "full", max(1, t // num_experts), n, k, platform.num_sms)
-        config = replace(config, ptx_decode=False)
-    offsets = expert_offsets.to(torch.int32)
-    tile_expert, tile_row = build_tile_map(offsets, t, config.block_m)
-    _nested_moe_kernel[(tile_expert.numel(), triton.cdiv(n, config.block_n))](
-        x_sorted, x_sorted, weight, weight, out, tile_expert, tile_row, offsets,
-        n, k,
-        x_sorted.stride(0), x_sorted.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-        0, 0, 0, out.stride(0), out.stride(1),
-        1.0,
-        MODE=PLAIN, NESTING=0, FNUZ=False, EVEN_K=k % config.block_k == 0, PTX_DECODE=False,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return out
+    # Full mode's tiles (two weight bytes per element), without its decode.
+    config = replace(config or _grouped_config("full", out.shape[0], weight.shape), ptx_decode=False)
+    return _launch_grouped(x_sorted, x_sorted, weight, weight, expert_offsets, out, 1.0, config, PLAIN, 0, False)
 
 
 @torch.library.custom_op("elastiserve::grouped_gemm", mutates_args=())
