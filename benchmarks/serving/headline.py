@@ -147,12 +147,16 @@ def reduced_setting(name: str, args: argparse.Namespace) -> tuple[Setting, list[
         changes.append(f"policies: all -> {', '.join(args.policies)}")
     if args.max_duration:
         changes.append(f"each point stops after {args.max_duration:.0f} s")
+    if args.max_num_batched_tokens:
+        changes.append(f"max_num_batched_tokens: 8192 -> {args.max_num_batched_tokens}")
     return cfg, changes
 
 
 def engine_settings(cfg: Setting, args: argparse.Namespace) -> dict[str, Any]:
     settings = {"device": args.device, "max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
                 "cpu_kv_blocks": args.cpu_kv_blocks, "seed": args.seed}
+    if args.max_num_batched_tokens:
+        settings["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.device != "cpu":  # the CPU pool is sized by cpu_kv_blocks
         settings["kv_cache_budget"] = cfg.kv_cache_budget
         settings["gpu_memory_budget"] = cfg.gpu_memory_budget
@@ -281,6 +285,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="override the model: a name, a directory or a config dict as JSON")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="chunked-prefill token budget per step (engine default 8192); a smaller one bounds TBT")
     p.add_argument("--kv-budget-bytes", type=int, default=None, help="dense: override the (scaled) 20 GB KV pool")
     p.add_argument("--cpu-kv-blocks", type=int, default=512)
     p.add_argument("--trace-dir", default=None, help="where azure_llm_2023_conv.csv is (else the bundled window)")
