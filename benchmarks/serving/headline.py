@@ -225,7 +225,9 @@ def summary_rows(outputs: list[dict[str, Any]]) -> list[dict[str, str]]:
                          "done": f"{s['finished']}/{s['requests']}", "preempt": str(s["preemptions"]),
                          "TTFT mean": sec(s["ttft_mean"]), "TTFT p90": sec(s["ttft_p90"]), "TPOT": ms(s["tpot_mean"]),
                          "SLO": pct(s["attainment"]), "BASE exp": pct(s["base_exposure"]),
-                         "FP8 time": sec(s["time_fast_s"]), "tok/s": f"{s['output_tokens_per_s'] or 0:.0f}",
+                         "FP8 time": sec(s["time_fast_s"]),
+                         "FP8 layer-time": sec(s.get("fp8_layer_time_s")),
+                         "tok/s": f"{s['output_tokens_per_s'] or 0:.0f}",
                          "wall": sec(s["duration_s"]), "capacity": f"{out['capacity'].get(run['policy'], 0) or 0:g}"})
     return rows
 

@@ -69,6 +69,7 @@ class FakeEngine:
         self.fail_next_step = False
         self.num_steps = 0
         self.aborted: list[str] = []
+        self.background_steps = 0  # steps of restore/promotion work left; each step() does one
 
     def add_request(self, request_id, prompt_token_ids, params, arrival_time=None) -> None:
         params.validate(VOCAB, self.max_model_len, len(prompt_token_ids))
@@ -104,8 +105,12 @@ class FakeEngine:
             req.first_scheduled = time.monotonic()
             self.running.append(req)
 
+    def has_background_work(self) -> bool:
+        return self.background_steps > 0
+
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1
+        self.background_steps = max(0, self.background_steps - 1)
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected step failure")

@@ -15,7 +15,7 @@ from fake_engine import EOS, FakeEngine
 from elastiserve.control.metrics import RequestRecord
 from elastiserve.control.workloads import Request
 from elastiserve.engine.bench.replay import ReplayResult, replay_in_process
-from elastiserve.engine.bench.results import capacity, per_request, summarize
+from elastiserve.engine.bench.results import capacity, fp8_layer_time, per_request, summarize
 from elastiserve.engine.bench.run import BenchPlan, run_bench
 from elastiserve.engine.bench.workload import WorkloadSpec, build_requests, make_prompts
 
@@ -108,6 +108,15 @@ def test_trace_window_and_clipping():
     assert requests[1].arrival == pytest.approx(0.5 * 4.3145788, abs=1e-3)
 
 
+def test_fp8_layer_time_weights_time_by_the_layers_in_fp8():
+    # 1 s with no layer, 2 s with 16 of 32 layers, then 32 of 32 until the end at 5 s: 0 + 1.0 + 2.0 = 3.0 s.
+    samples = [{"t": 0.0, "fast_layers": [], "num_layers": 32},
+               {"t": 1.0, "fast_layers": list(range(16)), "num_layers": 32},
+               {"t": 3.0, "fast_layers": list(range(32)), "num_layers": 32}]
+    assert fp8_layer_time(samples, 5.0) == pytest.approx(3.0)
+    assert fp8_layer_time([{"t": 0.0, "fast_layers": [1]}], 5.0) == 0.0  # no layer count: not reported
+
+
 def test_open_loop_replay_times_every_token():
     engine = FakeEngine(num_blocks=64)
     requests = [Request(i, 0.02 * i, 6, 4) for i in range(5)]
@@ -117,6 +126,17 @@ def test_open_loop_replay_times_every_token():
     assert all(r.token_times[0] >= r.arrival for r in result.records)  # never served before it arrives
     assert result.samples and result.samples[-1]["num_used_blocks"] == 0
     assert not engine.has_unfinished()
+
+
+def test_replay_settles_background_work_before_the_next_point():
+    # The H200 MoE sweep began its rate-12 point with 28 layers still in FP8 from the rate-8 point.
+    engine = FakeEngine(num_blocks=64)
+    requests = [Request(0, 0.0, 6, 2)]
+    engine.background_steps = 50  # far more than the two decode steps the request needs
+    result = replay_in_process(engine, requests, make_prompts(requests, 256))
+    assert result.records[0].finished
+    assert not engine.has_background_work() and result.settle_s >= 0.0
+    assert engine.num_steps >= 50
 
 
 def test_closed_loop_replay_respects_concurrency():

@@ -318,3 +318,20 @@ def test_async_engine_direct_use():
     finally:
         async_engine.shutdown()
     assert not async_engine.is_running
+
+
+def test_idle_async_engine_steps_until_background_work_is_done():
+    """A server with no requests still restores residuals and promotes pairs: those progress only per step."""
+    engine = FakeEngine()
+    engine.background_steps = 20
+    async_engine = AsyncEngine(engine).start()
+    try:
+        deadline = time.monotonic() + 10
+        while engine.has_background_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_background_work()
+        steps = engine.num_steps
+        time.sleep(0.1)  # nothing left: the thread waits instead of stepping
+        assert engine.num_steps == steps
+    finally:
+        async_engine.shutdown()

@@ -12,8 +12,10 @@ from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 
 
-def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, demand: StepDemand | None) -> Any:
-    """The ``StepObservation`` a policy decides on; ``demand`` is the scheduler's dry run (None: not probed)."""
+def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, demand: StepDemand | None,
+                 count_admissions: bool = True) -> Any:
+    """The ``StepObservation`` a policy decides on; ``demand`` is the scheduler's dry run (None: not probed), whose
+    admissions count in D_t only with ``count_admissions`` (`ControlConfig.demand_counts_admissions`)."""
     from elastiserve.control.observation import StepObservation
 
     state = runner.pool.block_pool.state
@@ -32,7 +34,7 @@ def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, de
         # as used made DPS read an empty SmolLM2 pool as 30x occupied and evict every layer at the first step.
         total_blocks=counts["kv_blocks"],
         native_blocks=max(0, counts["total_blocks"] - sum(per_layer.values()) * blocks_per_unit),
-        demand_blocks=None if demand is None else demand.blocks_needed,
+        demand_blocks=None if demand is None else demand.blocks_needed if count_admissions else demand.required_blocks,
         required_blocks=0 if demand is None else demand.required_blocks,
         blocks_per_unit=blocks_per_unit,
         backed_units=state.num_backed_units(),
@@ -61,6 +63,7 @@ def engine_stats(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, ev
         "kv_usage": 1.0 - counts["free_blocks"] / max(1, counts["kv_blocks"]),  # of what KV can use now
         "base_exposure": kv.exposure.ratio,
         "fast_layers": sorted(runner.fast_layers),
+        "num_layers": runner.model_config.num_hidden_layers,
         "mode": "fast" if runner.fast_layers else "full",
         "transitions": events.counts(),
         "preemptions": scheduler.num_preemptions,

@@ -14,7 +14,7 @@ from typing import Any
 
 from elastiserve.control.metrics import RequestRecord
 from elastiserve.control.workloads import Request
-from elastiserve.engine.async_engine import stats_dict
+from elastiserve.engine.async_engine import background_work, stats_dict
 
 
 @dataclass
@@ -25,6 +25,7 @@ class ReplayResult:
     duration: float = 0.0
     stats_before: dict[str, Any] = field(default_factory=dict)
     stats_after: dict[str, Any] = field(default_factory=dict)
+    settle_s: float = 0.0  # idle stepping after the point until restores and promotions finished
 
 
 def default_params(request: Request) -> Any:
@@ -103,8 +104,9 @@ class _Replay:
 def replay_in_process(engine: Any, requests: list[Request], prompts: list[list[int]], *,
                       params_for: Callable[[Request], Any] = default_params, concurrency: int | None = None,
                       max_duration_s: float | None = None, progress: bool = False,
-                      desc: str = "replay") -> ReplayResult:
-    """Drive ``engine`` through ``requests``; returns per-request records (times in seconds since the start)."""
+                      desc: str = "replay", settle_timeout_s: float = 120.0) -> ReplayResult:
+    """Drive ``engine`` through ``requests``; returns per-request records (times in seconds since the start).
+    Afterwards the engine settles (see `settle`), so the next sweep point starts from the same state as the first."""
     from tqdm import tqdm
 
     run = _Replay(engine, requests, prompts, params_for, concurrency)
@@ -119,7 +121,7 @@ def replay_in_process(engine: Any, requests: list[Request], prompts: list[list[i
             break
         while run.due(now):
             run.add(now)
-        if engine.has_unfinished():
+        if engine.has_unfinished() or background_work(engine):  # an idle server still restores and promotes
             outputs = engine.step()
             now = time.monotonic() - t0
             bar.update(run.take(outputs, now))
@@ -136,7 +138,18 @@ def replay_in_process(engine: Any, requests: list[Request], prompts: list[list[i
     result.records = sorted(run.records.values(), key=lambda r: r.req_id)
     result.events = engine_events(engine, t0, events_before)
     result.stats_after = stats_dict(engine.stats())
+    result.settle_s = settle(engine, settle_timeout_s)
     return result
+
+
+def settle(engine: Any, timeout_s: float) -> float:
+    """Step the idle engine until its restores and promotions are done; returns the seconds it took. Without this a
+    sweep point began where the last one stopped: on the H200, combined's rate-12 MoE point started with 28 layers
+    still in FP8 from the rate-8 point."""
+    t0 = time.monotonic()
+    while background_work(engine) and time.monotonic() - t0 < timeout_s:
+        engine.step()
+    return time.monotonic() - t0
 
 
 def measure_t_base(engine: Any, vocab_size: int, *, prompt_len: int = 32, output_len: int = 9,

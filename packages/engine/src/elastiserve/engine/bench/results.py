@@ -77,6 +77,7 @@ def summarize(result: ReplayResult, t_base: float, *, name: str = "", rate: floa
         "time_full_s": modes["full"],
         "time_fast_s": modes["fast"],
         "fast_fraction": modes["fast"] / result.duration if result.duration > 0 else 0.0,
+        "fp8_layer_time_s": fp8_layer_time(result.samples, result.duration),
         "transitions_to_fast": to_fast,
         "transitions_to_full": to_full,
         "demoted_pairs": amounts.get("demote", 0),
@@ -85,6 +86,19 @@ def summarize(result: ReplayResult, t_base: float, *, name: str = "", rate: floa
         "restore_latency_mean": m.mean(restores),
         "event_counts": log.counts(),
     }
+
+
+def fp8_layer_time(samples: list[dict[str, Any]], duration: float) -> float:
+    """Seconds of FP8 weighted by the fraction of layers in FP8 (time_fast_s counts any layer in FP8 as the whole
+    model: combined's 16 of 32 layers count half here), from the per-step samples; each sample's layer set holds
+    until the next sample. 0 when the samples do not say how many layers the model has."""
+    total = 0.0
+    for i, sample in enumerate(samples):
+        if not sample.get("num_layers"):
+            return 0.0
+        until = samples[i + 1]["t"] if i + 1 < len(samples) else max(duration, sample["t"])
+        total += (until - sample["t"]) * len(sample.get("fast_layers", ())) / sample["num_layers"]
+    return total
 
 
 def capacity(summaries: list[dict[str, Any]]) -> float:

@@ -85,7 +85,8 @@ def run_bench(plan: BenchPlan, *, engine_factory: Callable[[str], Any] | None = 
             out["runs"].append({"policy": policy, "rate": rate, "concurrency": concurrency, "summary": summary,
                                 "requests": per_request(result.records, t_base), "events": result.events,
                                 "timeline": result.samples,
-                                "stats_before": result.stats_before, "stats_after": result.stats_after})
+                                "stats_before": result.stats_before, "stats_after": result.stats_after,
+                                "settle_s": result.settle_s})
         out["capacity"][policy] = capacity(sweeps[policy])
         del engine
         gc.collect()
