@@ -5,7 +5,7 @@ import pytest
 
 from elastiserve.control.config import PrecisionConfig
 from elastiserve.control.observation import ALL_LAYERS, StepObservation
-from elastiserve.control.precision import PrecisionPolicy, layers_for_shortage
+from elastiserve.control.precision import PrecisionPolicy, layers_for_shortage, layers_to_run_fast
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
@@ -72,3 +72,22 @@ def test_layer_granularity_evicts_at_least_min_layers_and_restores_the_last_evic
     assert policy.plan_restore(obs(restorable=(0, 1), **calm), 0) == (1,)  # layer 2's units still hold KV
     with pytest.raises(Exception, match="min_evict_layers"):
         PrecisionConfig(min_evict_layers=0)
+
+
+def test_layers_to_run_fast_switches_whole_model_together():
+    dps = PrecisionConfig(granularity="model")
+    assert layers_to_run_fast(frozenset({7}), frozenset(), 8, dps) == frozenset(range(8))  # one stale: all fast
+    # restore brings layers back one by one; the model stays fast until the last one is resident
+    assert layers_to_run_fast(frozenset({6, 7}), frozenset(range(8)), 8, dps) == frozenset(range(8))
+    assert layers_to_run_fast(frozenset(), frozenset(range(8)), 8, dps) == frozenset()
+
+
+def test_layers_to_run_fast_returns_layers_in_groups():
+    per_layer = PrecisionConfig(granularity="layer", min_evict_layers=4)
+    running = frozenset(range(8))
+    assert layers_to_run_fast(frozenset(range(8)), frozenset(), 16, per_layer) == running  # entering is exact
+    for left in range(7, 4, -1):  # 1-3 layers restored: they keep running fast
+        assert layers_to_run_fast(frozenset(range(left)), running, 16, per_layer) == running
+    assert layers_to_run_fast(frozenset(range(4)), running, 16, per_layer) == frozenset(range(4))  # 4 return
+    assert layers_to_run_fast(frozenset({0, 9}), frozenset({0}), 16, per_layer) == frozenset({0, 9})
+    assert layers_to_run_fast(frozenset(), running, 16, per_layer) == frozenset()

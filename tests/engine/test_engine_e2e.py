@@ -305,9 +305,16 @@ def test_elastickv_demotes_past_one_slot_per_initial_pair(tiny_llama, device):
     backing holds one slot per block. With one per initial pair the quarter-scale dense run ran out of slots and
     preempted with demotable pairs left; here the burst needs more BASE pairs than that and must not preempt. CPU
     only: a GPU pool is whole 2 MiB units (341 blocks of this model), more than its 256-token rows can press."""
+    from elastiserve.control.arbiter import Arbiter
+    from elastiserve.control.config import preset
+    from elastiserve.control.kv_fidelity import capacity_guard
+
     block = block_size_for(device)
     seqs = 6
-    engine = make_engine(tiny_llama, device, policy="elastickv", max_num_seqs=seqs,
+    # Unbounded admission ("free"), so that the burst outgrows half the pool in BASE: the engine's base-floor bound
+    # would admit only three rows here (22 blocks each at their floor, in 120 less 32 of headroom).
+    unbounded = Arbiter(preset("elastickv").with_kv(demand_includes_admissions=True), capacity_guard(seqs, 16, block))
+    engine = make_engine(tiny_llama, device, scripted=unbounded, policy="elastickv", max_num_seqs=seqs,
                          kv_cache_budget=96 * block_bytes(block))  # fmt: skip
     pool_blocks = engine.kv.pool.num_blocks
     assert engine.runner.host_backing.shape[0] == pool_blocks

@@ -119,3 +119,29 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert sched.abort("missing") is None
     sched.abort("b")
     assert sched.kv.num_free_blocks() == 8 and not sched.has_unfinished()
+
+
+def test_base_floor_admission_stops_fcfs_and_the_dry_run_alike():
+    """kv.admission = "base-floor": a request is admitted (and counted in the probed demand) only while all admitted
+    ones fit at prompt + max_tokens with unprotected pairs in BASE (hand-computed below)."""
+    from dataclasses import replace
+
+    from elastiserve.control.config import preset
+
+    control = preset("elastickv")
+    control = replace(control, kv=replace(control.kv, admission="base-floor", b_min=1))
+    kv = KVManager(FlatBlockPool(20), BS, num_host_slots=64, sink_pairs=1, recent_pairs=1)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    sched.admits = kv.admission_rule(control, max_model_len=1000)
+    # Each request: 16 prompt + 16 max tokens = 32 tokens = 8 blocks = 4 pairs, 2 protected -> floor 8 - 2 = 6
+    # blocks. Capacity 20 less headroom 2 x b_min = 2 -> 18: three fit (18), a fourth (24) does not.
+    seqs = []
+    for i in range(4):
+        seq = Sequence(f"r{i}", [1] * 16, 16, SamplingParams(max_tokens=16), SequenceMetrics(float(i)))
+        sched.add(seq)
+        seqs.append(seq)
+    demand = sched.dry_run()
+    assert demand.blocks_needed == 3 * 4  # three prompts of 4 blocks are probed; the fourth would break the floor
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["r0", "r1", "r2"] and [s.request_id for s in sched.waiting] == ["r3"]
+    assert kv.admission_rule(preset("elastickv"), 1000) is None  # the simulator's default, "free": no bound

@@ -34,6 +34,11 @@ class KVFidelityConfig:
     ``demand_includes_admissions``: whether the dry-run demand D_t counts the blocks of requests the step would
     newly admit. Off (default), demotion only protects running work from preemption, as vLLM's native scheduler
     admits a request only into free blocks; on, demotion also makes room for admissions (higher BASE exposure).
+    ``admission``: ``"free"`` admits whatever the free blocks hold (vLLM); ``"base-floor"`` admits a request only
+    while every admitted request could still reach prompt + max tokens with its unprotected pairs in BASE
+    (`elastiserve.control.admission`), so admitting does not lead to preemption. ``admission_output_clip`` caps the
+    max tokens it reserves per request (SGLang clips its estimate at 4,096 too): a chat request without max_tokens
+    would otherwise reserve the whole context and hold the batch to a few requests.
     """
 
     b_min: int = 16
@@ -47,11 +52,15 @@ class KVFidelityConfig:
     max_promotions_in_flight: int = 64
     f_post: str = "committed"
     demand_includes_admissions: bool = False
+    admission: str = "free"
+    admission_output_clip: int = 4096
 
     def __post_init__(self) -> None:
         _require(self.b_min >= 1, f"b_min must be >= 1, got {self.b_min}")
         _require(self.reserve_decay >= 0, f"reserve_decay must be >= 0, got {self.reserve_decay}")
         _require(self.sink_pairs >= 0 and self.recent_pairs >= 0, "sink_pairs and recent_pairs must be >= 0")
+        _require(self.admission in ("free", "base-floor"), "admission must be 'free' or 'base-floor'")
+        _require(self.admission_output_clip >= 1, "admission_output_clip must be >= 1")
         _require(self.demotion_trigger in DEMOTION_TRIGGERS, f"demotion_trigger must be one of {DEMOTION_TRIGGERS}")
         _require(self.watermark >= 0, f"watermark must be >= 0, got {self.watermark}")
         _require(self.promotion in PROMOTION_POLICIES, f"promotion must be one of {PROMOTION_POLICIES}")
@@ -153,8 +162,21 @@ class ControlConfig:
         return "demote" in self.arbiter.mechanisms
 
     @property
+    def demand_counts_admissions(self) -> bool:
+        """Whether D_t includes the blocks of requests the next step would admit. Demotion answers only running
+        work unless ``kv.demand_includes_admissions``; without demotion (dps), eviction also makes room for new
+        requests. The simulator and the engine both ask this."""
+        return self.kv.demand_includes_admissions or not self.uses_demotion
+
+    @property
     def uses_eviction(self) -> bool:
         return "evict" in self.arbiter.mechanisms or self.precision.static_fast
+
+    def with_engine_admission(self) -> ControlConfig:
+        """What `elastiserve.engine` runs (same name): D_t counts admissions, bounded by base-floor admission when
+        the configuration demotes (packages/control/README.md, "Demand and admissions")."""
+        admission = "base-floor" if self.uses_demotion else "free"
+        return replace(self, kv=replace(self.kv, demand_includes_admissions=True, admission=admission))
 
     def with_kv(self, **changes: object) -> ControlConfig:
         """A copy with some KV-fidelity fields changed (used for the ElasticKV ablations)."""

@@ -80,3 +80,21 @@ class PrecisionPolicy:
             if layer in obs.evicted_layers:
                 return (layer,)
         return ()
+
+
+def layers_to_run_fast(stale: frozenset[int], running_fast: frozenset[int], num_layers: int,
+                       config: PrecisionConfig) -> frozenset[int]:
+    """The layers the next step runs in FP8: every layer whose residual is stale, widened so that the runner meets
+    few distinct mixes of full and fast layers (each new mix captures its decode graphs inside a step). Whole-model
+    granularity switches all layers together, as DPS does: fast as soon as any residual is stale, full once all
+    are restored. Per layer, restored layers return to full only ``min_evict_layers`` at a time (or all together
+    when nothing is stale). On the H200 MoE run the restore switched one layer back at a time: dps met 22 mixes
+    (27-48 fast layers of 48) at its 12 req/s point."""
+    if not stale:
+        return frozenset()
+    if config.granularity == "model":
+        return frozenset(range(num_layers))
+    returning = running_fast - stale
+    if returning and len(returning) < config.min_evict_layers:
+        return running_fast | stale
+    return stale

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import chain, islice
 
+from elastiserve.control.admission import base_floor_rule
 from elastiserve.control.arbiter import Arbiter
 from elastiserve.control.config import ControlConfig
 from elastiserve.control.events import EventLog
@@ -71,6 +72,11 @@ class Replica:
         self._was_fast = False
         self.h2d_stall_s = 0.0
         self._preempted_now: set[int] = set()
+        kv = control.kv  # kv.admission: "free" admits anything the free blocks hold; see control.admission
+        self._admits = (lambda admitted, seq: True) if kv.admission == "free" else base_floor_rule(
+            self.pool.total_blocks if control.uses_eviction else self.pool.native_blocks,
+            lambda s: s.request.prompt_tokens + min(s.request.output_tokens, kv.admission_output_clip), rc.block_size,
+            kv.sink_pairs + kv.recent_pairs, headroom_blocks=2 * kv.b_min)
 
     # ---- intake ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -96,14 +102,16 @@ class Replica:
                 budget -= 1
         admissions = 0
         slots = self.rc.max_num_seqs - len(self.running)
+        admitted = list(self.running)
         for seq in chain([s for s in self.running if s.prefilling], self.waiting):
             if budget <= 0:
                 break
             is_new = seq.state == "waiting"
             if is_new:
-                if slots <= 0:
+                if slots <= 0 or not self._admits(admitted, seq):
                     break
                 slots -= 1
+                admitted.append(seq)
             chunk = min(seq.remaining_prompt, budget)
             need = seq.blocks_needed(chunk, bs)
             budget -= chunk
@@ -112,7 +120,7 @@ class Replica:
                 admissions += need
             else:
                 required += need
-        if self.control.kv.demand_includes_admissions or not self.control.uses_demotion:
+        if self.control.demand_counts_admissions:
             return required, required + admissions, chunks
         return required, required, chunks
 
@@ -251,6 +259,8 @@ class Replica:
                     continue
             elif seq.seq_id in self._preempted_now or not self.waiting or self.waiting[0] is not seq:
                 break  # preempted this step, or no longer at the head: FCFS stops here
+            elif not self._admits(self.running, seq):
+                break
             elif self._alloc(seq, seq.blocks_needed(chunk, bs)):
                 self.waiting.popleft()
                 seq.state = "running"

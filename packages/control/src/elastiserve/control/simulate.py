@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=F_POST_RULES,
         help="promotion budget: free blocks less committed prompts (ours) or free blocks (the paper's)",
     )
+    p.add_argument("--engine-admission", action="store_true",
+                   help="the engine's admission for demoting presets: admissions counted in D_t, base-floor bound")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--router", default="least-loaded", choices=("least-loaded", "round-robin"))
     p.add_argument("--native-blocks", type=int, default=4096, help="FP16 KV budget per replica, in blocks")
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> str:
     names = list(PRESETS) if args.presets == "all" else [n.strip() for n in args.presets.split(",")]
     configs = [preset(n) for n in names] + ([ablation(a) for a in ABLATIONS] if args.ablations else [])
     configs = [with_f_post(c, args.f_post) for c in configs]
+    if args.engine_admission:
+        configs = [c.with_engine_admission() for c in configs]
     sim = SimConfig(
         replica=ReplicaConfig(native_blocks=args.native_blocks, units_per_layer=args.units_per_layer,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),

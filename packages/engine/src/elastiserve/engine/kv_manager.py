@@ -10,9 +10,9 @@ where taking a BACKED unit makes a residual stale (fast mode next step); in test
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from elastiserve.engine.errors import EngineError
 from elastiserve.engine.sequence import PairState, Sequence
@@ -144,6 +144,25 @@ class KVManager:
         self.exposure = ExposureCounter()
         self.num_demotions = 0
         self.num_promotions = 0
+
+    def admission_rule(self, control: Any, max_model_len: int) -> Callable[[list[Sequence], Sequence], bool] | None:
+        """The scheduler's admission bound for ``control.kv.admission == "base-floor"`` (None otherwise): every
+        admitted request must fit at prompt + max_tokens (clipped) with its unprotected pairs in BASE, in the blocks
+        KV can have (every unit, when the policy may evict residuals)."""
+        from elastiserve.control.admission import base_floor_rule
+
+        if control is None or control.kv.admission != "base-floor":
+            return None
+        clip = control.kv.admission_output_clip
+
+        def capacity() -> int:
+            return self.pool.num_blocks if control.uses_eviction else self.counts()["kv_blocks"]
+
+        def final_length(seq: Sequence) -> int:
+            return min(max_model_len, seq.num_prompt_tokens + min(seq.params.max_tokens, clip))
+
+        return base_floor_rule(capacity, final_length, self.block_size, self.sink_pairs + self.recent_pairs,
+                               self.num_host_slots, headroom_blocks=2 * control.kv.b_min)
 
     # ---- allocation ------------------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:

@@ -8,6 +8,7 @@ latest-arrived running sequence is the victim, its KV is freed and it goes back 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastiserve.engine.errors import EngineError
@@ -72,6 +73,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        # admits(admitted, candidate): an extra admission bound (`elastiserve.control.admission`), set by the engine
+        self.admits: Callable[[list[Sequence], Sequence], bool] = lambda admitted, candidate: True
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -124,9 +127,11 @@ class Scheduler:
             prefill_tokens += n if seq.in_prefill else 0
         required = blocks
         num_seqs = len(self.running)
+        admitted = list(self.running)
         for seq in self.waiting:
-            if budget <= 0 or num_seqs >= self.max_num_seqs:
+            if budget <= 0 or num_seqs >= self.max_num_seqs or not self.admits(admitted, seq):
                 break
+            admitted.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             blocks += self.kv.blocks_needed(seq, n)
             budget -= n
@@ -185,6 +190,8 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self.admits(self.running, seq):
+                break
             n = self._tokens_that_fit(seq, min(seq.num_uncomputed_tokens, budget))
             if n == 0 or not self.kv.allocate(seq, n):
                 if not self.running:
