@@ -23,6 +23,7 @@ from elastiserve.control.kv_fidelity import capacity_guard
 from elastiserve.control.metrics import ExposureMeter, ModeMeter, RequestRecord
 from elastiserve.control.observation import ALL_LAYERS, Decision, StepObservation, rank_demotable_streams
 from elastiserve.control.pool import KVPoolModel, make_pool
+from elastiserve.control.precision import layers_to_run_fast
 from elastiserve.control.sim_sequence import PromotionInFlight, SimSequence
 from elastiserve.control.step_model import StepModel
 from elastiserve.control.workloads import Request
@@ -70,6 +71,7 @@ class Replica:
         self.restoring: tuple[int, float] | None = None
         self.promotions: list[tuple[float, SimSequence, int]] = []
         self._was_fast = False
+        self._running_fast: frozenset[int] = frozenset()
         self.h2d_stall_s = 0.0
         self._preempted_now: set[int] = set()
         kv = control.kv  # kv.admission: "free" admits anything the free blocks hold; see control.admission
@@ -320,7 +322,10 @@ class Replica:
                 base_read += base
                 base_ctx += min(s.computed, 2 * bs * base)
                 s.record.base_pair_reads += base
-        fast_layers = len(self.pool.evicted_layers())
+        # The layers that run fast, as the engine picks them (whole model together under DPS, groups per layer).
+        self._running_fast = layers_to_run_fast(self.pool.evicted_layers(), self._running_fast, self.pool.num_layers,
+                                                self.control.precision)
+        fast_layers = len(self._running_fast)
         fast = fast_layers / max(1, self.pool.num_layers)
         # The step's input upload queues behind the H2D bytes issued before it (earlier rounds' copies).
         upload_wait = max(0.0, self._upload_barrier - self.now)
@@ -396,7 +401,7 @@ class Replica:
         return len(done)
 
     def _note_mode(self) -> None:
-        fast = bool(self.pool.evicted_layers())
+        fast = bool(self._running_fast)
         if fast != self._was_fast:
             self.events.add(self.now, self.step, "mode_fast" if fast else "mode_full", 1, "batch-aligned switch")
             self._was_fast = fast
