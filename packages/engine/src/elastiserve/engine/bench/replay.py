@@ -14,7 +14,7 @@ from typing import Any
 
 from elastiserve.control.metrics import RequestRecord
 from elastiserve.control.workloads import Request
-from elastiserve.engine.async_engine import background_work, stats_dict
+from elastiserve.engine.async_engine import BACKGROUND_STEP_INTERVAL_S, background_work, stats_dict
 
 
 @dataclass
@@ -121,11 +121,14 @@ def replay_in_process(engine: Any, requests: list[Request], prompts: list[list[i
             break
         while run.due(now):
             run.add(now)
-        if engine.has_unfinished() or background_work(engine):  # an idle server still restores and promotes
+        busy = engine.has_unfinished()
+        if busy or background_work(engine):  # an idle server still restores and promotes, as AsyncEngine does
             outputs = engine.step()
             now = time.monotonic() - t0
             bar.update(run.take(outputs, now))
             result.samples.append({"t": now, **stats_dict(engine.stats())})
+            if not busy:
+                time.sleep(BACKGROUND_STEP_INTERVAL_S)
         else:
             wake = run.next_arrival()
             if wake is not None:
