@@ -134,7 +134,7 @@ def test_base_floor_admission_stops_fcfs_and_the_dry_run_alike():
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
     sched.admits = kv.admission_rule(control, max_model_len=1000)
     # Each request: 16 prompt + 16 max tokens = 32 tokens = 8 blocks = 4 pairs, 2 protected -> floor 8 - 2 = 6
-    # blocks. Capacity 20 less headroom 2 x b_min = 2 -> 18: three fit (18), a fourth (24) does not.
+    # blocks. Capacity 20 less headroom min(2 x b_min, 20 // 16) = 1 -> 19: three fit (18), a fourth (24) does not.
     seqs = []
     for i in range(4):
         seq = Sequence(f"r{i}", [1] * 16, 16, SamplingParams(max_tokens=16), SequenceMetrics(float(i)))
