@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import random
 import statistics
@@ -320,7 +321,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.setting == "quality":
         return run_quality_setting(args)
     if args.summarize:
-        loaded = [(f, json.loads(f.read_text())) for f in sorted(args.out.glob(f"{args.setting}-*.json"))]
+        files = sorted([*args.out.glob(f"{args.setting}-*.json"), *args.out.glob(f"{args.setting}-*.json.gz")])
+        loaded = [(f, json.loads(gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_text()))
+                  for f in files]  # committed results are gzipped
         outputs = [{**data, "json": str(f)} for f, data in loaded if "runs" in data]  # not the headline summary
         if not args.no_plots:
             plot_side_by_side(outputs, args.out / f"{args.setting}-timeline.png")
