@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastiserve.control.admission import base_floor_blocks, base_floor_rule, fits_at_base
+from elastiserve.control.admission import BaseFloorBound, base_floor_blocks, fits_at_base
 from elastiserve.control.config import KVFidelityConfig, preset
 from elastiserve.control.sim_replica import ReplicaConfig
 from elastiserve.control.simulator import SimConfig, simulate
@@ -30,11 +30,21 @@ def test_floor_arithmetic_by_hand():
     assert not fits_at_base([5120, 5120], 539, 16, 3, host_slots=100)
 
 
-def test_rule_admits_a_lone_request_of_any_size():
-    admits = base_floor_rule(lambda: 10, lambda n: n, 16, 3)
-    assert admits([], 10**6)
-    assert not admits([10**6], 16)
-    assert admits([16], 16)
+def test_bound_admits_a_lone_request_of_any_size():
+    bound = BaseFloorBound(lambda: 10, lambda n: n, 16, 3)
+    assert bound.admit(bound.tally([]), 10**6)
+    assert not bound.admit(bound.tally([10**6]), 16)
+    assert bound.admit(bound.tally([16]), 16)
+
+
+def test_bound_counts_each_admission_into_the_tally():
+    # 5,120 tokens: 320 blocks, 157 saved -> 163 each at the floor; 400 blocks less headroom min(32, 400 // 16 = 25)
+    # = 375 hold two (326), not three (489).
+    bound = BaseFloorBound(lambda: 400, lambda n: n, 16, 3, headroom_blocks=32)
+    tally = bound.tally([])
+    assert bound.admit(tally, 5120) and bound.admit(tally, 5120)
+    assert not bound.admit(tally, 5120)
+    assert (tally.count, tally.need, tally.saved) == (2, 640, 314)  # a refused candidate is not counted
 
 
 def test_config_validates_admission():

@@ -132,7 +132,7 @@ def test_base_floor_admission_stops_fcfs_and_the_dry_run_alike():
     control = replace(control, kv=replace(control.kv, admission="base-floor", b_min=1))
     kv = KVManager(FlatBlockPool(20), BS, num_host_slots=64, sink_pairs=1, recent_pairs=1)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
-    sched.admits = kv.admission_rule(control, max_model_len=1000)
+    sched.admission = kv.admission_bound(control, max_model_len=1000)
     # Each request: 16 prompt + 16 max tokens = 32 tokens = 8 blocks = 4 pairs, 2 protected -> floor 8 - 2 = 6
     # blocks. Capacity 20 less headroom min(2 x b_min, 20 // 16) = 1 -> 19: three fit (18), a fourth (24) does not.
     seqs = []
@@ -144,4 +144,4 @@ def test_base_floor_admission_stops_fcfs_and_the_dry_run_alike():
     assert demand.blocks_needed == 3 * 4  # three prompts of 4 blocks are probed; the fourth would break the floor
     batch = sched.schedule()
     assert [s.request_id for s in batch.seqs] == ["r0", "r1", "r2"] and [s.request_id for s in sched.waiting] == ["r3"]
-    assert kv.admission_rule(preset("elastickv"), 1000) is None  # the simulator's default, "free": no bound
+    assert kv.admission_bound(preset("elastickv"), 1000) is None  # the simulator's default, "free": no bound

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import chain, islice
 
-from elastiserve.control.admission import base_floor_rule
+from elastiserve.control.admission import BaseFloorBound
 from elastiserve.control.arbiter import Arbiter
 from elastiserve.control.config import ControlConfig
 from elastiserve.control.events import EventLog
@@ -75,7 +75,7 @@ class Replica:
         self.h2d_stall_s = 0.0
         self._preempted_now: set[int] = set()
         kv = control.kv  # kv.admission: "free" admits anything the free blocks hold; see control.admission
-        self._admits = (lambda admitted, seq: True) if kv.admission == "free" else base_floor_rule(
+        self._bound = None if kv.admission == "free" else BaseFloorBound(
             self.pool.total_blocks if control.uses_eviction else self.pool.native_blocks,
             lambda s: s.request.prompt_tokens + min(s.request.output_tokens, kv.admission_output_clip), rc.block_size,
             kv.sink_pairs + kv.recent_pairs, headroom_blocks=2 * kv.b_min)
@@ -104,16 +104,15 @@ class Replica:
                 budget -= 1
         admissions = 0
         slots = self.rc.max_num_seqs - len(self.running)
-        admitted = list(self.running)
+        tally = self._bound.tally(self.running) if self._bound is not None and self.waiting else None
         for seq in chain([s for s in self.running if s.prefilling], self.waiting):
             if budget <= 0:
                 break
             is_new = seq.state == "waiting"
             if is_new:
-                if slots <= 0 or not self._admits(admitted, seq):
+                if slots <= 0 or (tally is not None and not self._bound.admit(tally, seq)):
                     break
                 slots -= 1
-                admitted.append(seq)
             chunk = min(seq.remaining_prompt, budget)
             need = seq.blocks_needed(chunk, bs)
             budget -= chunk
@@ -254,16 +253,21 @@ class Replica:
             need = 1 if seq.computed >= len(seq.blocks) * bs else 0
             if need == 0 or self._alloc_running(seq, need):
                 decodes.append(seq)
-        prefills = []
+        prefills, tally = [], None
         for seq, chunk in chunks:
             if seq.state == "running":
                 if not self._alloc_running(seq, seq.blocks_needed(chunk, bs)):
                     continue
-            elif seq.seq_id in self._preempted_now or not self.waiting or self.waiting[0] is not seq:
+                prefills.append((seq, chunk))
+                continue
+            if seq.seq_id in self._preempted_now or not self.waiting or self.waiting[0] is not seq:
                 break  # preempted this step, or no longer at the head: FCFS stops here
-            elif not self._admits(self.running, seq):
-                break
-            elif self._alloc(seq, seq.blocks_needed(chunk, bs)):
+            if self._bound is not None:
+                if tally is None:  # running chunks come first: this step's preemptions are already out
+                    tally = self._bound.tally(self.running)
+                if not self._bound.admit(tally, seq):
+                    break
+            if self._alloc(seq, seq.blocks_needed(chunk, bs)):
                 self.waiting.popleft()
                 seq.state = "running"
                 self.running.append(seq)

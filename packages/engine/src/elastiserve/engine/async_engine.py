@@ -204,8 +204,9 @@ class AsyncEngine:
         while not self._stop.is_set():
             did_ops = self._run_ops()
             stepped = False
-            background_only = not self.engine.has_unfinished() and background_work(self.engine)
-            if self.engine.has_unfinished() or background_only:
+            busy = self.engine.has_unfinished()
+            background_only = not busy and background_work(self.engine)
+            if busy or background_only:
                 stepped = True
                 try:
                     outputs = self.engine.step()

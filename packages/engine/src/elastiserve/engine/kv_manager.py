@@ -10,12 +10,15 @@ where taking a BACKED unit makes a residual stale (fast mode next step); in test
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elastiserve.engine.errors import EngineError
 from elastiserve.engine.sequence import PairState, Sequence
+
+if TYPE_CHECKING:
+    from elastiserve.control.admission import BaseFloorBound
 
 
 class BlockPool(Protocol):
@@ -145,24 +148,26 @@ class KVManager:
         self.num_demotions = 0
         self.num_promotions = 0
 
-    def admission_rule(self, control: Any, max_model_len: int) -> Callable[[list[Sequence], Sequence], bool] | None:
+    def admission_bound(self, control: Any, max_model_len: int) -> BaseFloorBound[Sequence] | None:
         """The scheduler's admission bound for ``control.kv.admission == "base-floor"`` (None otherwise): every
         admitted request must fit at prompt + max_tokens (clipped) with its unprotected pairs in BASE, in the blocks
         KV can have (every unit, when the policy may evict residuals)."""
-        from elastiserve.control.admission import base_floor_rule
+        from elastiserve.control.admission import BaseFloorBound
 
         if control is None or control.kv.admission != "base-floor":
             return None
         clip = control.kv.admission_output_clip
 
-        def capacity() -> int:
-            return self.pool.num_blocks if control.uses_eviction else self.counts()["kv_blocks"]
+        def capacity() -> int:  # every unit, or counts()["kv_blocks"] without the rest of counts()
+            if control.uses_eviction:
+                return self.pool.num_blocks
+            return self.pool.num_allocated() + self.pool.num_free(False)
 
         def final_length(seq: Sequence) -> int:
             return min(max_model_len, seq.num_prompt_tokens + min(seq.params.max_tokens, clip))
 
-        return base_floor_rule(capacity, final_length, self.block_size, self.sink_pairs + self.recent_pairs,
-                               self.num_host_slots, headroom_blocks=2 * control.kv.b_min)
+        return BaseFloorBound(capacity, final_length, self.block_size, self.sink_pairs + self.recent_pairs,
+                              self.num_host_slots, headroom_blocks=2 * control.kv.b_min)
 
     # ---- allocation ------------------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:

@@ -89,7 +89,8 @@ class LLMEngine:
         self.policy = policy if policy is not None else _make_policy(config)
         control = getattr(self.policy, "config", None)  # does demotion also make room for queued prompts?
         self._count_admissions = getattr(control, "demand_counts_admissions", True)
-        self.scheduler.admits = self.kv.admission_rule(control, self.max_model_len) or self.scheduler.admits
+        self.scheduler.admission = self.kv.admission_bound(control, self.max_model_len)
+        self._precision = getattr(control, "precision", None)  # None: scripted test policies run the stale layers
         self.events = EventLog()
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, hf_config))
         self.step_count = 0
@@ -311,9 +312,8 @@ class LLMEngine:
         self.kv.pool.drain_stale_layers()
         num_layers = self.model.config.num_hidden_layers
         stale = self.runner.pool.block_pool.state.fast_layers
-        precision = getattr(getattr(self.policy, "config", None), "precision", None)
-        if precision is not None:  # scripted test policies run exactly the stale layers
-            stale = layers_to_run_fast(stale, self.runner.fast_layers, num_layers, precision)
+        if self._precision is not None:
+            stale = layers_to_run_fast(stale, self.runner.fast_layers, num_layers, self._precision)
         wanted = stale | self.runner.forced_fast_layers
         if self.config.policy == "static-fp8":
             wanted = frozenset(range(num_layers))

@@ -8,12 +8,15 @@ latest-arrived running sequence is the victim, its KV is freed and it goes back 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from elastiserve.engine.errors import EngineError
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from elastiserve.control.admission import BaseFloorBound
 
 
 @dataclass(slots=True)
@@ -73,8 +76,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
-        # admits(admitted, candidate): an extra admission bound (`elastiserve.control.admission`), set by the engine
-        self.admits: Callable[[list[Sequence], Sequence], bool] = lambda admitted, candidate: True
+        self.admission: BaseFloorBound[Sequence] | None = None  # an extra admission bound, set by the engine
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -127,11 +129,12 @@ class Scheduler:
             prefill_tokens += n if seq.in_prefill else 0
         required = blocks
         num_seqs = len(self.running)
-        admitted = list(self.running)
+        tally = self.admission.tally(self.running) if self.admission is not None and self.waiting else None
         for seq in self.waiting:
-            if budget <= 0 or num_seqs >= self.max_num_seqs or not self.admits(admitted, seq):
+            if budget <= 0 or num_seqs >= self.max_num_seqs:
                 break
-            admitted.append(seq)
+            if tally is not None and not self.admission.admit(tally, seq):
+                break
             n = min(seq.num_uncomputed_tokens, budget)
             blocks += self.kv.blocks_needed(seq, n)
             budget -= n
@@ -188,9 +191,10 @@ class Scheduler:
             batch.preempted.append(victim)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        tally = self.admission.tally(self.running) if self.admission is not None and self.waiting else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.admits(self.running, seq):
+            if tally is not None and not self.admission.admit(tally, seq):
                 break
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.running:  # alone, a request starts in whatever the pool has
