@@ -69,6 +69,8 @@ def test_serve_flags_reach_engine_settings():
             "--load-format",
             "dummy",
             "--enforce-eager",
+            "--graph-capture-after",
+            "3",
             "--device",
             "cpu",
         ]
@@ -94,6 +96,7 @@ def test_serve_flags_reach_engine_settings():
         "tensor_parallel_size": 2,
         "load_format": "dummy",
         "enforce_eager": True,
+        "graph_capture_after": 3,
         "seed": 0,
         "cpu_kv_blocks": 512,
     }

@@ -29,6 +29,7 @@ class EngineConfig:
     tp_timeout_s: float | None = None  # TP rendezvous and collectives fail after this long; None: torch's default
     load_format: str = "auto"
     enforce_eager: bool = False
+    graph_capture_after: int = 8  # a decode graph first needed mid-run is captured at its 8th use (graphs.py)
     seed: int = 0
     host_backing_bytes: int | None = None  # host memory for demoted pairs' low bytes; None: as large as the KV pool
     sink_pairs: int = 1  # leading pairs of each sequence never demoted (attention sinks)
@@ -50,7 +51,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value}: expected a positive number or None")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "cpu_kv_blocks"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "cpu_kv_blocks",
+                     "graph_capture_after"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected at least 1")
         if self.sink_pairs < 0 or self.recent_pairs < 0:

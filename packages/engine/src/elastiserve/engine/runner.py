@@ -57,7 +57,8 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._demote_copy_done: object | None = None
         use_graphs = device.type == "cuda" and not config.enforce_eager
-        self.graphs = GraphRunner(self, graph_batch_sizes(config.max_num_seqs)) if use_graphs else None
+        self.graphs = GraphRunner(self, graph_batch_sizes(config.max_num_seqs), config.graph_capture_after) \
+            if use_graphs else None
 
     @property
     def max_model_len(self) -> int:
@@ -118,7 +119,7 @@ class ModelRunner:
         padded = self.graphs.padded_size(num_seqs, is_decode) if self.graphs is not None else None
         if padded is not None:
             metadata = self.load_inputs(inputs, padded_batch=padded)
-            hidden = self.graphs.get(padded, metadata.path).replay()[:num_seqs]
+            hidden = self.graphs.run(padded, metadata)[:num_seqs]
             last_rows = torch.arange(num_seqs, device=self.device)
         else:
             metadata = self.load_inputs(inputs)

@@ -1,0 +1,83 @@
+"""A decode graph first needed mid-run is captured only at its ``capture_after``-th use; before that the step runs
+eagerly on the same padded inputs. The CPU has no CUDA graphs, so a stub stands in for the capture; the GPU e2e
+tests replay real ones."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.graphs import GraphRunner
+from elastiserve.platforms import ConfigError
+
+pytestmark = [pytest.mark.cpu]
+
+
+class StubRunner:
+    def __init__(self):
+        self.fast_layers = frozenset()
+        self.forwards = []
+
+    def forward(self, num_tokens, metadata):
+        self.forwards.append((num_tokens, metadata.path, self.fast_layers))
+        return ("eager", num_tokens)
+
+
+def graph_runner(capture_after: int) -> tuple[GraphRunner, StubRunner, list]:
+    runner = StubRunner()
+    graphs = GraphRunner(runner, [1, 2, 4], capture_after)
+    captures = []
+
+    def capture(batch_size, path):
+        captures.append((batch_size, runner.fast_layers, path))
+        return SimpleNamespace(replay=lambda: ("replay", batch_size, path))
+
+    graphs._capture = capture
+    return graphs, runner, captures
+
+
+def test_a_new_key_runs_eagerly_until_its_nth_use_then_replays():
+    graphs, runner, captures = graph_runner(capture_after=3)
+    meta = SimpleNamespace(path=0)
+    assert graphs.run(4, meta) == ("eager", 4)
+    assert graphs.run(4, meta) == ("eager", 4)
+    assert captures == []
+    assert graphs.run(4, meta) == ("replay", 4, 0)  # third use: captured and replayed
+    assert graphs.run(4, meta) == ("replay", 4, 0)
+    assert captures == [(4, frozenset(), 0)]
+    assert graphs.eager_steps == 2 and len(runner.forwards) == 2
+
+
+def test_uses_are_counted_per_mix_size_and_path():
+    graphs, runner, captures = graph_runner(capture_after=2)
+    graphs.run(2, SimpleNamespace(path=0))
+    runner.fast_layers = frozenset({0, 1})  # a new per-layer mix starts its own count
+    graphs.run(2, SimpleNamespace(path=0))
+    graphs.run(2, SimpleNamespace(path=1))
+    assert captures == []
+    graphs.run(2, SimpleNamespace(path=0))
+    assert captures == [(2, frozenset({0, 1}), 0)]
+    runner.fast_layers = frozenset()
+    graphs.run(2, SimpleNamespace(path=0))
+    assert captures[-1] == (2, frozenset(), 0)
+
+
+def test_keys_captured_before_serving_replay_at_first_use():
+    graphs, runner, captures = graph_runner(capture_after=8)
+    for size in graphs.sizes:  # the warm-up captures through get(), not through the gate
+        graphs.get(size, 0)
+    assert graphs.run(1, SimpleNamespace(path=0)) == ("replay", 1, 0)
+    assert runner.forwards == [] and len(captures) == 3
+
+
+def test_capture_after_one_is_capture_at_first_use():
+    graphs, runner, captures = graph_runner(capture_after=1)
+    assert graphs.run(1, SimpleNamespace(path=2)) == ("replay", 1, 2)
+    assert runner.forwards == [] and captures == [(1, frozenset(), 2)]
+
+
+def test_capture_after_must_be_positive():
+    with pytest.raises(ConfigError, match="graph_capture_after"):
+        EngineConfig(model="x", graph_capture_after=0)
