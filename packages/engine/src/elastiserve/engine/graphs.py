@@ -7,9 +7,10 @@ is seen (the warm-up run before capture executes the step for real, so the first
 the modes and paths its policy reaches). All graphs share one memory pool.
 
 A key first met mid-run (a per-layer mix of full and fast layers) runs eagerly on the same padded inputs until
-its ``capture_after``-th use, and only then is captured: on the H200 (session 6) combined's MoE run evicted four
-layers at a time, met a new mix every 2-3 s, and its steps that captured took ~0.26 s even at 2 running
-sequences, against ~0.04 s for a replay. A key that a mix uses once or twice is not worth a capture.
+its ``capture_after``-th use, and only then is captured. On the H200 (session 6) combined's MoE run at 12 req/s
+evicted four layers at a time and met 8 mixes; six decode steps of 2-15 sequences took 0.25-0.26 s, all at a
+mix's first steps, where its other decode steps took a median 31 ms (a capture inside the step; not profiled). A
+key that a mix uses once or twice is not worth a capture; the threshold is a guess, not measured.
 """
 
 from __future__ import annotations
