@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 from pathlib import Path
 
@@ -29,10 +30,11 @@ DECODE_STEP_MAX_S = 0.06
 def decode_steps(run_dir: Path, block_size: int = 16):
     """(policy, seconds, TARGET tokens, BASE tokens) of every decode-only step in the run's per-policy JSON."""
     for path in sorted(run_dir.glob("dense-*.json.gz")):
-        result = json.load(gzip.open(path))
+        with gzip.open(path) as f:
+            result = json.load(f)
         for run in result["runs"]:
             samples = run["timeline"]
-            for before, after in zip(samples, samples[1:]):
+            for before, after in itertools.pairwise(samples):
                 seconds = after["t"] - before["t"]
                 same_batch = after["running"] == before["running"] and after["waiting"] == before["waiting"]
                 if after["steps"] - before["steps"] != 1 or not same_batch or seconds >= DECODE_STEP_MAX_S:

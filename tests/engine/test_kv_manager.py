@@ -168,3 +168,32 @@ def test_random_transitions_never_lose_a_block():
     for seq in live:
         kv.free_sequence(seq)
     assert kv.pool.num_free() == kv.pool.num_blocks and kv.num_free_slots == 6
+
+
+def test_lazy_candidates_rank_and_count_like_the_full_lists():
+    """The engine ranks lazily merged per-sequence streams and counts promotable pairs without building them; both
+    must give what the full lists give, whatever the mix of TARGET / BASE / PROMOTING pairs."""
+    from elastiserve.control.observation import PairInfo, rank_demotable, rank_demotable_streams
+
+    rng = random.Random(3)
+    kv = KVManager(sum_pool(num_units=128, blocks_per_unit=3), BS, num_host_slots=40, sink_pairs=1, recent_pairs=1)
+    live = [filled(kv, make_seq(f"r{i}", rng.randint(1, 12 * 2 * BS), arrival=rng.random())) for i in range(12)]
+    for _ in range(15):
+        cands = kv.demotion_candidates(live)
+        if cands and kv.num_free_slots:
+            kv.release_demoted([kv.demote(*rng.choice(cands))])
+    for seq, pair in kv.promotion_candidates(live)[:3]:
+        kv.begin_promote(seq, pair)
+    assert sum(kv.num_demotable_pairs(s) for s in live) > 8
+    assert kv.num_promotable_pairs(live) == len(kv.promotion_candidates(live)) > 0
+    assert list(kv.iter_promotion_candidates(live)) == kv.promotion_candidates(live)
+    for seq in live:
+        assert list(kv.iter_demotable_pairs(seq)) == kv.demotable_pairs(seq)
+        assert [p for p in range(len(seq.pair_states)) if kv.is_demotable(seq, p)] == kv.demotable_pairs(seq)
+    full = [PairInfo(i, p, 0, "decoding") for i, s in enumerate(live) for p in kv.demotable_pairs(s)]
+
+    def stream(seq_id, seq):
+        return (PairInfo(seq_id, p, 0, "decoding") for p in kv.iter_demotable_pairs(seq))
+
+    streams = [stream(i, s) for i, s in enumerate(live)]
+    assert rank_demotable_streams(streams, 8) == rank_demotable(full, 8)

@@ -5,15 +5,16 @@
 
 with weight read and compute interpolated between full and fast by the fraction of fast layers (a policy that
 keeps plain fp16 weights uses the ``*_unnested_*`` coefficients instead: on the H200 the nested full-mode decode
-step took 2.0x the plain fp16 one, so the two differ), and BASE context
-tokens read at ``base_read_fraction`` of a TARGET token (measured above 1 on the H200 engine: its mixed-fidelity
-attention paths cost more per token than the native one, see the JSON's provenance). Fidelity transitions are costed from bytes, not fitted:
-a demoted pair reads its two blocks and writes the packed block and the low-byte staging (4 blocks of HBM traffic),
-an unpacked promotion reads the packed block and the staged low bytes and writes two blocks (4 blocks too), both at
+step took 2.0x the plain fp16 one, so the two differ), and BASE context tokens read at ``base_read_fraction`` of a
+TARGET token (measured above 1 on the H200 engine: its mixed-fidelity attention paths cost more per token than the
+native one, see the JSON's provenance). Fidelity transitions are costed from bytes, not fitted: a demoted pair reads
+its two blocks and writes the packed block and the low-byte staging (4 blocks of HBM traffic), an unpacked promotion
+reads the packed block and the staged low bytes and writes two blocks (4 blocks too), both at
 ``transition_kernel_bytes_per_s`` (the measured ``kv_demote`` rate, BENCHMARKS.md); a promotion's host->device
 copy moves one block of low bytes at ``h2d_bytes_per_s`` (the replica queues it on its H2D copy engine, see
-``sim_replica``). Coefficients are data (a JSON carrying the device and commit they came from); the shipped default
-is derived from H200 anchors and marked 'placeholder, not measured'.
+``sim_replica``); the per-batch demotion cost ``demote_batch_s`` (launch, metadata and the host's ranking) is
+fitted from engine steps. Coefficients are data (a JSON carrying the device and commit they came from, and which
+ones are still assumptions).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ where taking a BACKED unit makes a residual stale (fast mode next step); in test
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -215,8 +215,17 @@ class KVManager:
         return min(seq.num_computed_tokens // (2 * self.block_size), len(seq.block_table) // 2)
 
     def demotable_pairs(self, seq: Sequence) -> list[int]:
+        return list(self.iter_demotable_pairs(seq))
+
+    def iter_demotable_pairs(self, seq: Sequence) -> Iterator[int]:
+        """The demotable pairs of ``seq``, oldest first, produced lazily (a demotion ranks a few of them)."""
+        states = seq.pair_states
         end = self.num_complete_pairs(seq) - self.recent_pairs
-        return [p for p in range(self.sink_pairs, end) if seq.pair_states[p] is PairState.TARGET]
+        return (p for p in range(self.sink_pairs, end) if states[p] is PairState.TARGET)
+
+    def is_demotable(self, seq: Sequence, pair: int) -> bool:
+        end = self.num_complete_pairs(seq) - self.recent_pairs
+        return self.sink_pairs <= pair < end and seq.pair_states[pair] is PairState.TARGET
 
     def num_demotable_pairs(self, seq: Sequence) -> int:
         """``len(demotable_pairs(seq))`` without building the list (every step's observation counts them)."""
@@ -235,8 +244,18 @@ class KVManager:
 
     def promotion_candidates(self, seqs: Iterable[Sequence]) -> list[tuple[Sequence, int]]:
         """BASE pairs, earliest-arrived requests first (they are the most urgent to restore)."""
-        ordered = sorted(seqs, key=lambda s: s.arrival_time)
-        return [(s, p) for s in ordered for p, st in enumerate(s.pair_states) if st is PairState.BASE]
+        return list(self.iter_promotion_candidates(seqs))
+
+    def iter_promotion_candidates(self, seqs: Iterable[Sequence]) -> Iterator[tuple[Sequence, int]]:
+        """``promotion_candidates``, produced lazily: a promotion takes the first few."""
+        for seq in sorted(seqs, key=lambda s: s.arrival_time):
+            if seq.has_base_pairs():
+                yield from ((seq, p) for p, st in enumerate(seq.pair_states) if st is PairState.BASE)
+
+    @staticmethod
+    def num_promotable_pairs(seqs: Iterable[Sequence]) -> int:
+        """``len(promotion_candidates(seqs))`` without building the list (every step's observation counts them)."""
+        return sum(s.pair_states.count(PairState.BASE) for s in seqs)
 
     @property
     def num_free_slots(self) -> int:
@@ -244,7 +263,7 @@ class KVManager:
 
     def demote(self, seq: Sequence, pair: int) -> DemoteOp:
         """Mark ``pair`` BASE; the caller packs A, copies the low bytes out, then calls ``release_demoted``."""
-        if pair not in self.demotable_pairs(seq):
+        if not self.is_demotable(seq, pair):
             raise EngineError(f"pair {pair} of {seq.request_id} is protected or not TARGET")
         if not self._free_slots:
             raise EngineError("demotion needs a free host-backing slot")

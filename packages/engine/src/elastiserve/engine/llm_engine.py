@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -242,16 +243,17 @@ class LLMEngine:
             self.events.add(now, step, "restore_start", len(decision.restore_layers), reason)
 
     def demote(self, num_pairs: int, reason: str = "") -> int:
-        """Demote up to ``num_pairs`` eligible pairs (ranked like the simulator ranks them); returns the count."""
-        from elastiserve.control.observation import PairInfo, rank_demotable
+        """Demote up to ``num_pairs`` eligible pairs (ranked like the simulator ranks them); returns the count.
+
+        Each sequence's pairs come lazily, already in ranking order, and are merged: building and sorting every
+        eligible pair instead (~9,000 at concurrency 64 on the 20 GB pool) took ~20 ms of Python per demotion on
+        the CPU, and on the H200 a step that demoted took 6 ms more than one that did not."""
+        from elastiserve.control.observation import rank_demotable_streams
 
         running = self.scheduler.running
         by_id = {self._seq_index[s.request_id]: s for s in running}
-        infos = [
-            PairInfo(self._seq_index[s.request_id], p, 0, "prefilling" if s.in_prefill else "decoding")
-            for s, p in self.kv.demotion_candidates(running)
-        ]
-        chosen = rank_demotable(infos, min(num_pairs, self.kv.num_free_slots))
+        streams = [self._demotion_stream(s) for s in running]
+        chosen = rank_demotable_streams(streams, min(num_pairs, self.kv.num_free_slots))
         ops = [self.kv.demote(by_id[info.seq_id], info.pair_index) for info in chosen]
         if ops:
             self.runner.demote(ops)
@@ -259,10 +261,18 @@ class LLMEngine:
             self.events.add(time.monotonic(), self.step_count, "demote", len(ops), reason)
         return len(ops)
 
+    def _demotion_stream(self, seq: Sequence) -> Iterator[Any]:
+        """``seq``'s demotable pairs as the ranking sees them (one status, one last use: pair order decides)."""
+        from elastiserve.control.observation import PairInfo
+
+        seq_id, status = self._seq_index[seq.request_id], "prefilling" if seq.in_prefill else "decoding"
+        for pair in self.kv.iter_demotable_pairs(seq):
+            yield PairInfo(seq_id, pair, 0, status)
+
     def promote(self, num_pairs: int, reason: str = "") -> int:
         """Start promoting up to ``num_pairs`` BASE pairs (blocks reserved now, published when the copy is done)."""
         ops = []
-        for seq, pair in self.kv.promotion_candidates(self.scheduler.running)[:num_pairs]:
+        for seq, pair in itertools.islice(self.kv.iter_promotion_candidates(self.scheduler.running), num_pairs):
             op = self.kv.begin_promote(seq, pair)
             if op is None:
                 break

@@ -47,7 +47,7 @@ def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, de
         target_pairs_eligible=min(eligible, kv.num_free_slots),
         base_pairs=base,
         resident_pairs=sum(len(s.pair_states) for s in running),
-        base_pairs_promotable=len(kv.promotion_candidates(running)) if base else 0,  # a scan of every pair
+        base_pairs_promotable=kv.num_promotable_pairs(running) if base else 0,
         promotions_in_flight=len(kv.promotions_in_flight()),
         restore_in_flight=bool(state.restoring_tasks()),
         running=len(running),
