@@ -11,6 +11,7 @@ Runs on the CPU (random tiny Llama weights, ``load_format="dummy"``); each polic
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -38,10 +39,16 @@ def stub_forward(runner: ModelRunner, num_tokens: int, metadata) -> torch.Tensor
     return torch.zeros(num_tokens, runner.model.config.hidden_size, dtype=runner.model.embed_tokens.weight.dtype)
 
 
+def hold_base(engine: LLMEngine) -> None:
+    """The policy still observes and decides each step, but promotions are dropped, so the BASE share stays put."""
+    decide = engine.policy.decide_recovery
+    engine.policy.decide_recovery = lambda obs: dataclasses.replace(decide(obs), promote_pairs=0)
+
+
 def measure(model_dir: str, policy: str, args: argparse.Namespace) -> dict:
     config = EngineConfig(model=model_dir, policy=policy, device="cpu", load_format="dummy", block_size=16,
                           max_num_seqs=args.batch, max_num_batched_tokens=max(8192, args.batch * args.context),
-                          cpu_kv_blocks=4096, enforce_eager=True, kv_cache_budget=1 << 30, seed=0)
+                          cpu_kv_blocks=args.kv_blocks, enforce_eager=True, kv_cache_budget=1 << 30, seed=0)
     engine = LLMEngine(config, eos_token_ids=())
     try:
         rng = random.Random(0)
@@ -50,9 +57,16 @@ def measure(model_dir: str, policy: str, args: argparse.Namespace) -> dict:
             engine.add_request(f"r{i}", [rng.randrange(200) for _ in range(args.context)], params)
         for _ in range(5):  # prefill, then a few decode steps
             engine.step()
+        demotes = engine.config.uses_kv_demotion
+        if demotes:
+            hold_base(engine)
+            eligible = sum(engine.kv.num_demotable_pairs(s) for s in engine.scheduler.running)
+            engine.demote(int(args.base_fraction * eligible))
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
+            if demotes and args.demote_per_step:
+                engine.demote(args.demote_per_step)
             engine.step()
             times.append(time.perf_counter() - t0)
     finally:
@@ -69,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1000, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--base-fraction", type=float, default=0.0, help="share of demotable pairs demoted before timing")
+    p.add_argument("--demote-per-step", type=int, default=0, help="pairs demoted inside every timed step")
+    p.add_argument("--kv-blocks", type=int, default=4096, help="KV pool blocks (the CPU pool's size)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     ModelRunner.forward = stub_forward
@@ -80,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{policy:12s} host time per decode step, batch {args.batch}: median {rows[-1]['median_ms']:.3f} ms"
                   f", p90 {rows[-1]['p90_ms']:.3f} ms", flush=True)
     result = {"commit": git_commit(Path(__file__).resolve().parent), "batch": args.batch, "context": args.context,
+              "base_fraction": args.base_fraction, "demote_per_step": args.demote_per_step,
               "python": sys.version.split()[0], "torch": torch.__version__, "rows": rows}
     args.out.write_text(json.dumps(result, indent=2))
     return 0

@@ -197,3 +197,20 @@ def test_lazy_candidates_rank_and_count_like_the_full_lists():
 
     streams = [stream(i, s) for i, s in enumerate(live)]
     assert rank_demotable_streams(streams, 8) == rank_demotable(full, 8)
+
+
+def test_base_tokens_counts_like_a_walk_over_every_pair():
+    """``base_tokens`` counts whole pairs in C and walks only the pairs that reach past ``seq_len``; it must equal
+    the per-pair sum for any layout of TARGET / BASE / PROMOTING pairs and any length."""
+    rng = random.Random(11)
+    kv = KVManager(sum_pool(), BS, num_host_slots=0)
+    pair_tokens = 2 * BS
+    for _ in range(300):
+        seq = make_seq("s", 1)
+        seq.pair_states = [rng.choice(list(PairState)) for _ in range(rng.randint(0, 12))]
+        seq_len = rng.randint(0, (len(seq.pair_states) + 2) * pair_tokens)
+        walk = sum(max(0, min(seq_len, (p + 1) * pair_tokens) - p * pair_tokens)
+                   for p, state in enumerate(seq.pair_states) if state is not PairState.TARGET)
+        assert kv.base_tokens(seq, seq_len) == walk
+        assert KVManager.pair_modes(seq) == ([] if walk == 0 and all(s is PairState.TARGET for s in seq.pair_states)
+                                             else [int(s is not PairState.TARGET) for s in seq.pair_states])
