@@ -191,11 +191,7 @@ def test_lazy_candidates_rank_and_count_like_the_full_lists():
         assert list(kv.iter_demotable_pairs(seq)) == kv.demotable_pairs(seq)
         assert [p for p in range(len(seq.pair_states)) if kv.is_demotable(seq, p)] == kv.demotable_pairs(seq)
     full = [PairInfo(i, p, 0, "decoding") for i, s in enumerate(live) for p in kv.demotable_pairs(s)]
-
-    def stream(seq_id, seq):
-        return (PairInfo(seq_id, p, 0, "decoding") for p in kv.iter_demotable_pairs(seq))
-
-    streams = [stream(i, s) for i, s in enumerate(live)]
+    streams = [kv.demotion_stream(s, i) for i, s in enumerate(live)]
     assert rank_demotable_streams(streams, 8) == rank_demotable(full, 8)
 
 

@@ -231,6 +231,15 @@ class KVManager:
             yield pair
             pair += 1
 
+    def demotion_stream(self, seq: Sequence, seq_id: int) -> Iterator[Any]:
+        """``seq``'s demotable pairs as ``rank_demotable_streams`` takes them: one status and one last use for the
+        whole sequence, so pair order is ranking order."""
+        from elastiserve.control.observation import PairInfo
+
+        status = "prefilling" if seq.in_prefill else "decoding"
+        for pair in self.iter_demotable_pairs(seq):
+            yield PairInfo(seq_id, pair, 0, status)
+
     def is_demotable(self, seq: Sequence, pair: int) -> bool:
         end = self.num_complete_pairs(seq) - self.recent_pairs
         return self.sink_pairs <= pair < end and seq.pair_states[pair] is PairState.TARGET

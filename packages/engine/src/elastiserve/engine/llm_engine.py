@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -252,7 +251,7 @@ class LLMEngine:
 
         running = self.scheduler.running
         by_id = {self._seq_index[s.request_id]: s for s in running}
-        streams = [self._demotion_stream(s) for s in running]
+        streams = [self.kv.demotion_stream(s, self._seq_index[s.request_id]) for s in running]
         chosen = rank_demotable_streams(streams, min(num_pairs, self.kv.num_free_slots))
         ops = [self.kv.demote(by_id[info.seq_id], info.pair_index) for info in chosen]
         if ops:
@@ -260,14 +259,6 @@ class LLMEngine:
             self.kv.release_demoted(ops)
             self.events.add(time.monotonic(), self.step_count, "demote", len(ops), reason)
         return len(ops)
-
-    def _demotion_stream(self, seq: Sequence) -> Iterator[Any]:
-        """``seq``'s demotable pairs as the ranking sees them (one status, one last use: pair order decides)."""
-        from elastiserve.control.observation import PairInfo
-
-        seq_id, status = self._seq_index[seq.request_id], "prefilling" if seq.in_prefill else "decoding"
-        for pair in self.kv.iter_demotable_pairs(seq):
-            yield PairInfo(seq_id, pair, 0, status)
 
     def promote(self, num_pairs: int, reason: str = "") -> int:
         """Start promoting up to ``num_pairs`` BASE pairs (blocks reserved now, published when the copy is done)."""
