@@ -4,9 +4,17 @@ Triton compiles a kernel variant the first time a GEMM row bucket, a precision m
 tile height) meets it, and a CUDA graph is captured the first time its batch size, mode and path do. Met mid-run,
 either is a stall in somebody's latency: in a reduced dense run on the H200 the first step that read BASE pairs took
 3.6 s and a later one 3.1 s (benchmarks/serving/results/dense-tiny-run1, elastickv timeline, steps 90-91 and
-137-138). ``warm_up_shapes`` lists the eager forwards that cover the compile side for a policy: one sequence per GEMM
-row bucket up to the chunked-prefill budget, and per attention path the query lengths that select each tile height,
-in every mode the policy reaches. They write no KV (every slot is -1) and read block 0 only.
+137-138). ``warm_up_shapes`` lists the eager forwards that cover the compile side for a policy: per GEMM row bucket
+up to the chunked-prefill budget, one sequence at the bucket's top and one a row short of it, and per attention path
+the query lengths that select each tile height, in every mode the policy reaches. They write no KV (every slot is
+-1) and read block 0 only.
+
+Why a row short: Triton specializes an integer argument on whether it is 1 and whether it divides by 16, so a row
+count of 100 compiles another variant than 96 or 64 of the same tile. With only the buckets' tops (all multiples of
+16) warmed, the first prefill of another length compiled mid-run. The H200 MoE runs (session 6, 4 req/s) showed
+0.6 s and 1.0 s steps at 4 and 9 running sequences, with every layer in nested full mode, in both dps and combined
+and never in static-fp16, whose dense linears are cuBLAS: the nested GEMM (with its PTX decode) is the kernel that
+takes M. Likely cause; not profiled.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ def attention_paths(config: EngineConfig) -> tuple[int, ...]:
 def warm_up_shapes(config: EngineConfig, num_layers: int, group_size: int, max_len: int) -> list[WarmUpShape]:
     """``max_len``: the longest sequence the block tables hold (the budget is clipped to it)."""
     budget = min(config.max_num_batched_tokens, max_len)
-    gemm_rows = sorted({min(bucket, budget) for bucket in M_BUCKETS if bucket > 1})
+    tops = {min(bucket, budget) for bucket in M_BUCKETS if bucket > 1}
+    gemm_rows = sorted(tops | {rows - 1 for rows in tops if rows - 1 > 1})  # see the module docstring
     shapes: list[WarmUpShape] = []
     for fast in mode_sets(config, num_layers):
         shapes += [WarmUpShape(fast, NATIVE, rows) for rows in gemm_rows]
