@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call on a two-GPU host (~6 minutes), written for the session after session 6: `nox -s test-cuda` on
+# GPU 0 (the final tree's CPU-only changes: the capture gate, the lazy demotion ranking, the exposure count, the
+# warm-up's odd row counts) beside the dense headline's elastickv at full size, concurrency 64, on GPU 1. Compare
+# elastickv's TPOT, wall time and demoting-step cost with session 6's `dense-full-run2` (34 ms, 130 s, +6.1 ms) to
+# see what the host-side changes bought; static-fp16 is unchanged by them.
+source ci/gpu/bootstrap.sh
+set +e
+install_packages
+nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
+(CUDA_VISIBLE_DEVICES=1 timeout 330 python3 benchmarks/serving/headline.py --setting dense --requests 200 \
+  --concurrency 64 --max-duration 280 --policies elastickv --no-progress --out $OUT/dense > $OUT/dense-elastickv.log 2>&1) &
+sleep 3
+(time CUDA_VISIBLE_DEVICES=0 timeout 420 nox -s test-cuda) > $OUT/test-cuda.log 2>&1
+tail -3 $OUT/test-cuda.log
+wait
+python3 benchmarks/serving/headline.py --setting dense --out $OUT/dense --summarize > $OUT/dense-table.txt 2>&1
+cat $OUT/dense-table.txt
+python3 benchmarks/control/fit_kv_read.py $OUT/dense > $OUT/kv-read-fit.txt 2>&1
+tar czf $OUT/dense.tgz -C $OUT dense dense-elastickv.log && rm -rf $OUT/dense
