@@ -29,8 +29,8 @@ DECODE_STEP_MAX_S = 0.06
 
 def decode_steps(run_dir: Path, block_size: int = 16):
     """(policy, seconds, TARGET tokens, BASE tokens) of every decode-only step in the run's per-policy JSON."""
-    for path in sorted(run_dir.glob("dense-*.json.gz")):
-        with gzip.open(path) as f:
+    for path in sorted([*run_dir.glob("dense-*.json.gz"), *run_dir.glob("dense-*.json")]):
+        with (gzip.open(path) if path.suffix == ".gz" else path.open()) as f:
             result = json.load(f)
         for run in result["runs"]:
             samples = run["timeline"]
