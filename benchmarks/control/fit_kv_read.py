@@ -3,8 +3,9 @@
     step = host_overhead + weight_read_unnested + kv_read_per_token x (TARGET tokens + base_read_fraction x BASE)
 
 The intercept is held at the packaged model's (both from measured batch-1 steps); the two coefficients are a least
-squares fit over every sample that is one decode-only step (same running and waiting counts on both sides, under
-60 ms, so no prefill chunk), with context from the pool's used blocks: TARGET blocks x 16 + BASE pairs x 32 tokens.
+squares fit over every sample that is one decode-only step that did not demote (same running and waiting counts on
+both sides, under 60 ms, so no prefill chunk), with context from the pool's used blocks: TARGET blocks x 16 + BASE
+pairs x 32 tokens.
 The demotion cost per batch is then the median residual of the steps that demoted less that of the steps that did
 not, per run, weighted by the number of demoting steps.
 
@@ -18,6 +19,7 @@ import argparse
 import gzip
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,25 +47,33 @@ def decode_steps(run_dir: Path, block_size: int = 16):
                 yield run["policy"], seconds, (used - base_pairs) * block_size, base_pairs * 2 * block_size, demoted
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path)
-    args = parser.parse_args()
+@dataclass
+class KVReadFit:
+    per_target_s: float  # kv_read_per_token_s
+    base_read_fraction: float
+    rms_s: float
+    demote_batch_s: float | None  # None: no run had both demoting and other steps
+    lines: list[str]  # the report, one line each
+
+
+def fit(runs: list[Path]) -> KVReadFit:
     model = load_step_model()
     intercept = model.host_overhead_s + model.weight_read_unnested_s
-    by_run = {run: list(decode_steps(run)) for run in args.runs}
-    rows = [row for run in args.runs for row in by_run[run]]
+    by_run = {run: list(decode_steps(run)) for run in runs}
+    rows = [row for run in runs for row in by_run[run]]
     seconds = np.array([r[1] for r in rows])
     tokens = np.array([[r[2], r[3]] for r in rows], dtype=float)
-    (per_target, per_base), *_ = np.linalg.lstsq(tokens, seconds - intercept, rcond=None)
+    quiet = ~np.array([r[4] for r in rows], dtype=bool)  # demoting steps carry the demotion cost: fitted after
+    (per_target, per_base), *_ = np.linalg.lstsq(tokens[quiet], seconds[quiet] - intercept, rcond=None)
     predicted = intercept + tokens @ np.array([per_target, per_base])
-    print(f"{len(rows)} decode steps from {', '.join(str(r) for r in args.runs)}")
-    print(f"kv_read_per_token_s {per_target:.3e}  base_read_fraction {per_base / per_target:.2f}  "
-          f"rms {1e3 * np.sqrt(np.mean((predicted - seconds) ** 2)):.2f} ms")
+    rms = float(np.sqrt(np.mean((predicted - seconds)[quiet] ** 2)))  # of the fitted steps
+    lines = [f"{len(rows)} decode steps from {', '.join(str(r) for r in runs)}",
+             f"kv_read_per_token_s {per_target:.3e}  base_read_fraction {per_base / per_target:.2f}  "
+             f"rms {1e3 * rms:.2f} ms"]
     for policy in sorted({r[0] for r in rows}):
         mask = np.array([r[0] == policy for r in rows])
-        print(f"  {policy}: {mask.sum()} steps, measured median {1e3 * np.median(seconds[mask]):.2f} ms, "
-              f"model median {1e3 * np.median(predicted[mask]):.2f} ms")
+        lines.append(f"  {policy}: {mask.sum()} steps, measured median {1e3 * np.median(seconds[mask]):.2f} ms, "
+                     f"model median {1e3 * np.median(predicted[mask]):.2f} ms")
     extra, weights = [], []
     for run, steps in by_run.items():
         residual = np.array([r[1] - intercept - per_target * r[2] - per_base * r[3] for r in steps])
@@ -71,9 +81,17 @@ def main() -> None:
         if demoted.any() and (~demoted).any():
             extra.append(float(np.median(residual[demoted]) - np.median(residual[~demoted])))
             weights.append(int(demoted.sum()))
-            print(f"  {run}: {weights[-1]} demoting steps, {1e3 * extra[-1]:.2f} ms more than the others")
-    if extra:
-        print(f"demote_batch_s {np.average(extra, weights=weights):.4f}")
+            lines.append(f"  {run}: {weights[-1]} demoting steps, {1e3 * extra[-1]:.2f} ms more than the others")
+    demote = float(np.average(extra, weights=weights)) if extra else None
+    if demote is not None:
+        lines.append(f"demote_batch_s {demote:.4f}")
+    return KVReadFit(float(per_target), float(per_base / per_target), rms, demote, lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    print("\n".join(fit(parser.parse_args().runs).lines))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # One device call on a two-GPU host (~6 minutes), written for the session after session 6: `nox -s test-cuda` on
 # GPU 0 (the final tree's CPU-only changes: the capture gate, the lazy demotion ranking, the exposure count, the
 # warm-up's odd row counts) beside the dense headline's elastickv at full size, concurrency 64, on GPU 1. Compare
-# elastickv's TPOT, wall time and demoting-step cost with session 6's `dense-full-run2` (34 ms, 130 s, +6.1 ms) to
+# elastickv's TPOT, wall time and demoting-step cost with session 6's `dense-full-run2` (34 ms, 130 s, +2.5 ms per demoting step at this concurrency) to
 # see what the host-side changes bought; static-fp16 is unchanged by them.
 source ci/gpu/bootstrap.sh
 set +e
