@@ -96,8 +96,8 @@ def test_combined_beats_dps_and_elastickv(bursty):
     assert comb.base_exposure <= ekv.base_exposure
     assert comb.fp8_layer_fraction <= dps.fp8_layer_fraction
     # Wall time with any layer in FP8: both go fast once and stay there to the end of the window, so this is a tie
-    # (82.6 % each with the session-6 calibration; 83.1 against 82.6 with the engine's admission settings), decided by which one's first eviction came first. FP8
-    # layer-time, asserted above, is what per-layer eviction saves.
+    # (82.6 % each with the session-6 calibration; 83.1 against 82.6 % with the engine's admission settings), decided
+    # by which one's first eviction came first. FP8 layer-time, asserted above, is what per-layer eviction saves.
     assert comb.fast_fraction <= dps.fast_fraction + 0.005
 
 
