@@ -150,11 +150,11 @@ def test_random_transitions_never_lose_a_block():
                 seq.token_ids.append(0)
                 seq.num_computed_tokens += 1
         elif action == "demote":
-            cands = kv.demotion_candidates(live)
+            cands = [(s, p) for s in live for p in kv.demotable_pairs(s)]
             if cands and kv.num_free_slots:
                 kv.release_demoted([kv.demote(*rng.choice(cands))])
         elif action == "promote":
-            cands = kv.promotion_candidates(live)
+            cands = list(kv.promotion_candidates(live))
             if cands:
                 kv.begin_promote(*rng.choice(cands))
         elif action == "finish":
@@ -179,17 +179,21 @@ def test_lazy_candidates_rank_and_count_like_the_full_lists():
     kv = KVManager(sum_pool(num_units=128, blocks_per_unit=3), BS, num_host_slots=40, sink_pairs=1, recent_pairs=1)
     live = [filled(kv, make_seq(f"r{i}", rng.randint(1, 12 * 2 * BS), arrival=rng.random())) for i in range(12)]
     for _ in range(15):
-        cands = kv.demotion_candidates(live)
+        cands = [(s, p) for s in live for p in kv.demotable_pairs(s)]
         if cands and kv.num_free_slots:
             kv.release_demoted([kv.demote(*rng.choice(cands))])
-    for seq, pair in kv.promotion_candidates(live)[:3]:
+    for seq, pair in list(kv.promotion_candidates(live))[:3]:
         kv.begin_promote(seq, pair)
     assert sum(kv.num_demotable_pairs(s) for s in live) > 8
-    assert kv.num_promotable_pairs(live) == len(kv.promotion_candidates(live)) > 0
-    assert list(kv.iter_promotion_candidates(live)) == kv.promotion_candidates(live)
+    assert kv.num_promotable_pairs(live) == len(list(kv.promotion_candidates(live))) > 0
+    base = [(s, p) for s in sorted(live, key=lambda s: s.arrival_time) for p, st in enumerate(s.pair_states)
+            if st is PairState.BASE]
+    assert list(kv.promotion_candidates(live)) == base
     for seq in live:
-        assert list(kv.iter_demotable_pairs(seq)) == kv.demotable_pairs(seq)
-        assert [p for p in range(len(seq.pair_states)) if kv.is_demotable(seq, p)] == kv.demotable_pairs(seq)
+        end = kv.num_complete_pairs(seq) - kv.recent_pairs
+        walk = [p for p in range(kv.sink_pairs, end) if seq.pair_states[p] is PairState.TARGET]
+        assert kv.demotable_pairs(seq) == walk
+        assert [p for p in range(len(seq.pair_states)) if kv.is_demotable(seq, p)] == walk
     full = [PairInfo(i, p, 0, "decoding") for i, s in enumerate(live) for p in kv.demotable_pairs(s)]
     streams = [kv.demotion_stream(s, i) for i, s in enumerate(live)]
     assert rank_demotable_streams(streams, 8) == rank_demotable(full, 8)

@@ -55,7 +55,6 @@ class GraphRunner:
         self.sizes = sizes
         self.capture_after = capture_after
         self.graphs: dict[GraphKey, CapturedStep] = {}
-        self.eager_steps = 0  # decode steps run eagerly while their key waited for its capture
         self._uses: Counter[GraphKey] = Counter()
         self._pool: Any = None
 
@@ -74,7 +73,6 @@ class GraphRunner:
         if step is None:
             self._uses[key] += 1
             if self._uses[key] < self.capture_after:
-                self.eager_steps += 1
                 return self.runner.forward(batch_size, metadata)
             del self._uses[key]
             step = self.get(batch_size, metadata.path)

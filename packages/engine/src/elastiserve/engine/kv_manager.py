@@ -253,25 +253,18 @@ class KVManager:
             return end - self.sink_pairs
         return seq.pair_states[self.sink_pairs : end].count(PairState.TARGET)
 
-    def demotion_candidates(self, seqs: Iterable[Sequence]) -> list[tuple[Sequence, int]]:
-        """Eligible pairs, most recently arrived requests first; within one, the oldest middle pair first, so the
-        BASE region stays one contiguous run after the sinks (TARGET-BASE-TARGET, the structured path)."""
-        ordered = sorted(seqs, key=lambda s: s.arrival_time, reverse=True)
-        return [(seq, p) for seq in ordered for p in self.demotable_pairs(seq)]
-
-    def promotion_candidates(self, seqs: Iterable[Sequence]) -> list[tuple[Sequence, int]]:
-        """BASE pairs, earliest-arrived requests first (they are the most urgent to restore)."""
-        return list(self.iter_promotion_candidates(seqs))
-
-    def iter_promotion_candidates(self, seqs: Iterable[Sequence]) -> Iterator[tuple[Sequence, int]]:
-        """``promotion_candidates``, produced lazily: a promotion takes the first few."""
+    @staticmethod
+    def promotion_candidates(seqs: Iterable[Sequence]) -> Iterator[tuple[Sequence, int]]:
+        """BASE pairs, earliest-arrived requests first (they are the most urgent to restore), produced lazily: a
+        promotion takes the first few."""
         for seq in sorted(seqs, key=lambda s: s.arrival_time):
             if seq.has_base_pairs():
                 yield from ((seq, p) for p, st in enumerate(seq.pair_states) if st is PairState.BASE)
 
     @staticmethod
     def num_promotable_pairs(seqs: Iterable[Sequence]) -> int:
-        """``len(promotion_candidates(seqs))`` without building the list (every step's observation counts them)."""
+        """How many pairs ``promotion_candidates`` would give, without producing them (every step's observation
+        counts them)."""
         return sum(s.pair_states.count(PairState.BASE) for s in seqs)
 
     @property

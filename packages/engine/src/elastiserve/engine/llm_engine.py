@@ -263,7 +263,7 @@ class LLMEngine:
     def promote(self, num_pairs: int, reason: str = "") -> int:
         """Start promoting up to ``num_pairs`` BASE pairs (blocks reserved now, published when the copy is done)."""
         ops = []
-        for seq, pair in itertools.islice(self.kv.iter_promotion_candidates(self.scheduler.running), num_pairs):
+        for seq, pair in itertools.islice(self.kv.promotion_candidates(self.scheduler.running), num_pairs):
             op = self.kv.begin_promote(seq, pair)
             if op is None:
                 break
