@@ -17,3 +17,10 @@ install_packages() {
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e packages/platforms -e packages/memory \
     -e packages/kernels -e packages/control -e packages/engine >/dev/null 2>&1
 }
+
+# `nox -s test-cuda` on GPU 0 within LIMIT seconds, timed, into $OUT/test-cuda.log; for rounds that run a benchmark
+# on GPU 1 beside it.
+test_cuda_on_gpu0() {  # LIMIT
+  (time CUDA_VISIBLE_DEVICES=0 timeout "$1" nox -s test-cuda) > $OUT/test-cuda.log 2>&1
+  tail -3 $OUT/test-cuda.log
+}

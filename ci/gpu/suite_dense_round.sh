@@ -11,8 +11,7 @@ nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}"
 (CUDA_VISIBLE_DEVICES=1 timeout 330 python3 benchmarks/serving/headline.py --setting dense --requests 200 \
   --concurrency 64 --max-duration 280 --policies elastickv --no-progress --out $OUT/dense > $OUT/dense-elastickv.log 2>&1) &
 sleep 3
-(time CUDA_VISIBLE_DEVICES=0 timeout 420 nox -s test-cuda) > $OUT/test-cuda.log 2>&1
-tail -3 $OUT/test-cuda.log
+test_cuda_on_gpu0 420
 wait
 python3 benchmarks/serving/headline.py --setting dense --out $OUT/dense --summarize > $OUT/dense-table.txt 2>&1
 cat $OUT/dense-table.txt

@@ -11,8 +11,7 @@ nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}"
   --rate 8 --rate 12 --max-duration 60 --max-num-batched-tokens 2048 --t-base 0.02465 --policies combined \
   --no-progress --out $OUT/moe > $OUT/moe-gpu1.log 2>&1) &
 sleep 3
-(time CUDA_VISIBLE_DEVICES=0 timeout 430 nox -s test-cuda) > $OUT/test-cuda.log 2>&1
-tail -3 $OUT/test-cuda.log
+test_cuda_on_gpu0 430
 wait
 python3 benchmarks/serving/headline.py --setting moe --out $OUT/moe --summarize > $OUT/moe-table.txt 2>&1
 cat $OUT/moe-table.txt
