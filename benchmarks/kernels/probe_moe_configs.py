@@ -104,8 +104,10 @@ def best_per_bucket(rows: list[dict]) -> dict:
         best = min(group, key=lambda r: r["layer_us"])
         out[f"{key[0]}@{key[1]}"] = {"best": best["config"], "layer_us": best["layer_us"],
                                      "rows_per_expert": best["rows_per_expert"]}
-    plain = {r["tokens"]: r for r in (min((g for g in rows if g["mode"] == "plain" and g["tokens"] == t),
-                                          key=lambda g: g["layer_us"]) for t in {r["tokens"] for r in rows})}
+    plain = {}
+    for r in rows:  # a probe of other modes only has no plain rows: no ratio then
+        if r["mode"] == "plain" and r["layer_us"] < plain.get(r["tokens"], {"layer_us": float("inf")})["layer_us"]:
+            plain[r["tokens"]] = r
     for key, value in out.items():
         tokens = int(key.split("@")[1])
         if tokens in plain:
@@ -129,7 +131,8 @@ def main(argv=None) -> int:
         json.dump({"device": torch.cuda.get_device_name(0), "arch": p.arch, "torch": torch.__version__,
                    "triton": triton.__version__, "moe": MOE, "rows": rows, "best": best,
                    "geomean_best_full_vs_plain": geomean(
-                       v["vs_best_plain"] for k, v in best.items() if k.startswith("full"))}, f, indent=2)
+                       v["vs_best_plain"] for k, v in best.items() if k.startswith("full") and "vs_best_plain" in v)},
+                  f, indent=2)
     for key, value in best.items():
         print(f"{key:16s} {value['layer_us']:8.1f} us  x{value.get('vs_best_plain', float('nan')):.2f} of plain  "
               f"{value['best']}")

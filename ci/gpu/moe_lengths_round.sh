@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call on a two-GPU host (~9.5 minutes): the MoE headline at the Azure trace's full lengths (session 5's
 # first call clipped them to a quarter and no policy saw pressure: KV peaked at 31 % for static-fp16). Qwen3-30B-A3B
-# shapes, 80 GB budget, Gamma CV 2, 400 requests, rates 4 / 8 / 12, each point cut at 60 s, a 2048-token prefill
-# chunk (an 8192-token chunk took up to 191 ms, past the 5 x T_base TBT bound at every rate). Two processes side by
+# shapes, 80 GB budget, Gamma CV 2, 400 requests, rates 4 / 8 / 12, each point cut at 60 s, a prefill
+# chunk of ``CHUNK`` tokens, 1,024 unless set (an 8,192-token chunk took up to 191 ms, past the 5 x T_base TBT bound at
+# every rate; in session 6 the admitting steps of 2,048-token chunks took a median 97-161 ms against the 123 ms bound).
+# Beside static-fp16, GPU 0 runs the grouped kernel's prefill-size CUDA tests (the probed tiles). Two processes side by
 # side, one per GPU: static-fp16 then combined on GPU 0, dps then elastickv on GPU 1, one T_base for all
 # (``T_BASE``, measured on static-fp16 in the previous call of the same tree).
 source ci/gpu/bootstrap.sh
@@ -12,14 +14,16 @@ nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}"
 T_BASE=${T_BASE:-0.02465}
 moe() {  # GPU, policies...
   local gpu=$1; shift
-  CUDA_VISIBLE_DEVICES=$gpu timeout 555 python3 benchmarks/serving/headline.py --setting moe --requests 400 \
-    --rate 4 --rate 8 --rate 12 --max-duration 60 --max-num-batched-tokens 2048 --t-base $T_BASE \
+  CUDA_VISIBLE_DEVICES=$gpu timeout 560 python3 benchmarks/serving/headline.py --setting moe --requests 400 \
+    --rate 4 --rate 8 --rate 12 --max-duration 60 --max-num-batched-tokens ${CHUNK:-1024} --t-base $T_BASE \
     --policies "$@" --no-progress --out $OUT/moe > $OUT/moe-gpu$gpu.log 2>&1
 }
+(CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q --device=cuda -p no:cacheprovider \
+  tests/kernels/test_nested_moe_cuda.py > $OUT/moe-kernel-tests.log 2>&1) &
 moe 0 static-fp16 combined &
 sleep 5
 moe 1 dps elastickv
 wait
 python3 benchmarks/serving/headline.py --setting moe --out $OUT/moe --summarize > $OUT/moe-table.txt 2>&1
 cat $OUT/moe-table.txt
-tar czf $OUT/moe.tgz -C $OUT moe moe-gpu0.log moe-gpu1.log && rm -rf $OUT/moe
+tar czf $OUT/moe.tgz -C $OUT moe moe-gpu0.log moe-gpu1.log moe-kernel-tests.log && rm -rf $OUT/moe

@@ -6,6 +6,7 @@ E4M3 with one prescale exponent for all experts and matches in every mode.
 """
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -132,3 +133,26 @@ def test_grouped_gemm_compiles_fullgraph(device):
 
     compiled = torch.compile(experts, fullgraph=True, backend="aot_eager" if device.type == "cpu" else "inductor")
     torch.testing.assert_close(compiled(x), experts(x), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows_per_expert", [1, 16, 64, 128, 256, 2048])
+def test_grouped_tiles_per_arch(rows_per_expert):
+    """sm90 takes the probed prefill tiles from 64 rows per expert (full with the PTX decode, 128-row tiles); plain
+    experts never decode; other archs keep the dense rows; an unknown mode is a typed error."""
+    from elastiserve.kernels import configs
+    from elastiserve.platforms import ConfigError
+
+    n, k = 1536, 2048
+    plain = configs.choose_grouped_config("sm90", "plain", rows_per_expert, n, k, 132)
+    full = configs.choose_grouped_config("sm90", "full", rows_per_expert, n, k, 132)
+    assert not plain.ptx_decode and full.ptx_decode and full.split_k == plain.split_k == 1
+    if rows_per_expert >= 64:
+        assert full.block_m >= 128 and plain.block_m >= 128
+    else:
+        assert full == replace(configs.choose_config("sm90", "full", rows_per_expert, n, k, 132), split_k=1)
+    for arch in ("sm80", "gfx942", "cpu"):
+        other = configs.choose_grouped_config(arch, "full", rows_per_expert, n, k, 108)
+        assert not other.ptx_decode and other.split_k == 1
+    with pytest.raises(ConfigError):
+        configs.choose_grouped_config("sm90", "fp4", rows_per_expert, n, k, 132)
+

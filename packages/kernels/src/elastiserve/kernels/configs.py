@@ -131,6 +131,41 @@ def materializes_full(arch: str, m: int) -> bool:
     return threshold is not None and m >= threshold
 
 
+# ---- grouped (MoE) GEMM: nested_moe.py ------------------------------------------------------------------------------
+
+GROUPED_MODES = ("plain", *MODES)  # plain: unnested fp16 experts (the static-fp16 engine's grouped GEMM)
+# sm90 tiles from 64 rows per expert up, from the H200 probe (benchmarks/kernels/probe_moe_configs.py, raw
+# benchmarks/kernels/results/h200-moe-probe-run1/; Qwen3-30B-A3B experts, gate_up + down per layer, 13 tiles per
+# mode). The dense tables' rows were the grouped kernel's until then, and from 64 rows per expert their full-mode
+# tile has the portable decode and BLOCK_M = 64: 2,048 tokens (128 rows per expert) took 1,995 us per layer in full
+# mode against 1,154 us on 128x128x128 with the PTX decode, and 4,096 tokens 3,415 against 1,847 us (plain fp16:
+# 750 -> 639 and 1,174 -> 971 us; fp8: 481 -> 457 and 792 -> 725 us). 128x128x128 was best at 64 and 128 rows per
+# expert in full mode and within 3 % of 256x128x64 at 256; bucket 1024 and 4096 (more than 4,096 tokens) take the
+# 4,096-token winners, not probed above that. Buckets 1 and 16 keep the dense rows (16,32,256 PTX was the best full
+# tile at 256 tokens as well; 64 tokens and fewer were not probed).
+_GROUPED_PREFILL_SM90 = {
+    "plain": {64: _G(128, 128, 64, num_warps=8, num_stages=3), 256: _G(128, 256, 64, num_warps=8, num_stages=3)},
+    "full": {64: _G(128, 128, 128, num_warps=8, num_stages=3, ptx_decode=True),
+             256: _G(128, 128, 128, num_warps=8, num_stages=3, ptx_decode=True),
+             1024: _G(256, 128, 64, num_warps=8, num_stages=3, ptx_decode=True)},
+    "fp8": {64: _G(128, 128, 128, num_warps=8, num_stages=3), 256: _G(128, 128, 128, num_warps=8, num_stages=3)},
+}
+
+
+def choose_grouped_config(arch: str, mode: str, rows_per_expert: int, n: int, k: int, num_sms: int) -> GemmConfig:
+    """Tile of the grouped MoE kernel for experts that see ``rows_per_expert`` rows each (about T * top_k / E)."""
+    if mode not in GROUPED_MODES:
+        raise ConfigError(f"unknown grouped GEMM mode {mode!r}; expected one of {GROUPED_MODES}")
+    bucket = m_bucket(rows_per_expert)
+    table = _GROUPED_PREFILL_SM90.get(mode, {}) if arch == "sm90" else {}
+    chosen = [table[b] for b in sorted(table) if b <= bucket]
+    if chosen:
+        return chosen[-1]
+    # Elsewhere full mode's dense rows (two weight bytes per element), without the decode for plain experts.
+    config = choose_config(arch, "full" if mode == "plain" else mode, rows_per_expert, n, k, num_sms)
+    return replace(config, split_k=1, ptx_decode=False) if mode == "plain" else replace(config, split_k=1)
+
+
 _tuned: dict[tuple[str, str, int, int, int], GemmConfig] = {}
 
 

@@ -118,7 +118,7 @@ def _grouped_config(mode: str, t: int, weight_shape: torch.Size) -> configs.Gemm
     # Rows per expert, not T, decide the tile: with top-k routing an expert sees about T / E * k rows.
     num_experts, n, k = weight_shape
     platform = current_platform()
-    return configs.choose_config(platform.arch, mode, max(1, t // num_experts), n, k, platform.num_sms)
+    return configs.choose_grouped_config(platform.arch, mode, max(1, t // num_experts), n, k, platform.num_sms)
 
 
 def _launch_grouped(x: torch.Tensor, x_scale: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
@@ -175,8 +175,7 @@ def grouped_gemm_fp16(x_sorted: torch.Tensor, weight: torch.Tensor, expert_offse
     out = torch.empty((x_sorted.shape[0], weight.shape[1]), dtype=torch.float16, device=x_sorted.device)
     if out.shape[0] == 0:
         return out
-    # Full mode's tiles (two weight bytes per element), without its decode.
-    config = replace(config or _grouped_config("full", out.shape[0], weight.shape), ptx_decode=False)
+    config = replace(config or _grouped_config("plain", out.shape[0], weight.shape), ptx_decode=False)
     return _launch_grouped(x_sorted, x_sorted, weight, weight, expert_offsets, out, 1.0, config, PLAIN, 0, False)
 
 
