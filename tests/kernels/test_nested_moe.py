@@ -45,7 +45,7 @@ def _rel_err(got, want):
 
 def test_tile_map_enumerates_every_row_once():
     offsets = torch.tensor([0, 3, 3, 20, 21, 33], dtype=torch.int32)
-    tile_expert, tile_row = nested_moe.build_tile_map(offsets, 33, 16)
+    tile_expert, tile_row = nested_moe.build_tile_map_ref(offsets, 33, 16)
     assert tile_expert.numel() == 3 + 5  # cdiv(33, 16) + E: static, no host sync
     covered = []
     for e, start in zip(tile_expert.tolist(), tile_row.tolist()):
@@ -55,6 +55,21 @@ def test_tile_map_enumerates_every_row_once():
             covered += [(row, e) for row in range(start, end)]
     expected = [(row, e) for e in range(5) for row in range(int(offsets[e]), int(offsets[e + 1]))]
     assert sorted(covered) == expected
+
+
+@pytest.mark.parametrize(("num_experts", "block_m"), [(5, 16), (128, 16), (128, 128), (60, 64)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_tile_map_kernel_equals_reference(device, num_experts, block_m, dtype):
+    """The one-launch tile map equals the torch reference, padding included, for skewed and empty experts."""
+    gen = torch.Generator().manual_seed(num_experts + block_m)
+    counts = torch.randint(0, 3 * block_m, (num_experts,), generator=gen)
+    counts[::7] = 0
+    offsets = torch.zeros(num_experts + 1, dtype=dtype)
+    offsets[1:] = counts.cumsum(0)
+    total = int(offsets[-1])
+    got = nested_moe.build_tile_map(offsets.to(device), total, block_m)
+    want = nested_moe.build_tile_map_ref(offsets, total, block_m)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
 @pytest.mark.parametrize("mode", ["full", "weight_only", "fp8"])
