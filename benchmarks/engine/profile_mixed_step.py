@@ -10,7 +10,7 @@ prompt is exactly one chunk and times the step that prefills it beside a decode-
   top operators. Host-bound steps show a device time well under the wall time.
 
     python benchmarks/engine/profile_mixed_step.py --model qwen3-30b-a3b --policies static-fp16 dps \\
-        --gpu-memory-budget 80e9 --batch 64 --context 1024 --chunk 2048 --out mixed.json
+        --gpu-memory-budget 80e9 --batch 64 --context 1024 --chunk 512 1024 2048 --out mixed.json
     python benchmarks/engine/profile_mixed_step.py --device cpu --model '{...tiny config...}' --batch 2 ...
 """
 
@@ -35,12 +35,12 @@ from elastiserve.engine.sampling import SamplingParams
 
 
 def build(args: argparse.Namespace, policy: str) -> LLMEngine:
-    settings: dict[str, Any] = {"max_num_batched_tokens": args.chunk + args.batch}
+    settings: dict[str, Any] = {"max_num_batched_tokens": max(args.chunk) + args.batch}
     if args.gpu_memory_budget:
         settings["gpu_memory_budget"] = int(args.gpu_memory_budget)
     config = EngineConfig(model=args.model_dir, policy=policy, device=args.device, load_format="dummy",
-                          max_num_seqs=args.batch + args.repeats + 1, max_model_len=args.max_model_len,
-                          cpu_kv_blocks=args.cpu_kv_blocks, seed=0, **settings)
+                          max_num_seqs=args.batch + args.repeats * len(args.chunk) + 1,
+                          max_model_len=args.max_model_len, cpu_kv_blocks=args.cpu_kv_blocks, seed=0, **settings)
     return LLMEngine(config, eos_token_ids=())
 
 
@@ -62,39 +62,40 @@ def profiled(step, device: torch.device) -> dict[str, Any]:
                              for e in top]}
 
 
-def profile_policy(args: argparse.Namespace, policy: str) -> dict[str, Any]:
+def profile_policy(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]:
     engine = build(args, policy)
     device = torch.device(args.device)
-    decode_tokens = args.repeats * 4 + 16
-    start_decoding(engine, args.batch, args.context, decode_tokens, tag=f"{policy}-decode")
+    start_decoding(engine, args.batch, args.context, 2 * args.repeats * len(args.chunk) + 16, tag=f"{policy}-decode")
     rng = random.Random(17)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    decode_wall, mixed_wall, mixed_profiles = [], [], []
-    for i in range(args.repeats):
-        t0 = time.perf_counter()
-        engine.step()
-        decode_wall.append(time.perf_counter() - t0)
-        engine.add_request(f"{policy}-chunk-{i}", prompt_ids(engine.vocab_size, args.chunk, rng), params)
-        if i % 2:
-            mixed_profiles.append(profiled(engine.step, device))
-        else:
+    rows = []
+    for chunk in args.chunk:
+        decode_wall, mixed_wall, mixed_profiles = [], [], []
+        for i in range(args.repeats):
             t0 = time.perf_counter()
             engine.step()
-            mixed_wall.append(time.perf_counter() - t0)
-    decode_profile = profiled(engine.step, device)
+            decode_wall.append(time.perf_counter() - t0)
+            engine.add_request(f"{policy}-chunk{chunk}-{i}", prompt_ids(engine.vocab_size, chunk, rng), params)
+            if i % 2:
+                mixed_profiles.append(profiled(engine.step, device))
+            else:
+                t0 = time.perf_counter()
+                engine.step()
+                mixed_wall.append(time.perf_counter() - t0)
+        row = {"policy": policy, "batch": args.batch, "context": args.context, "chunk": chunk,
+               "decode_step_median_s": statistics.median(decode_wall),
+               "mixed_step_median_s": statistics.median(mixed_wall), "mixed_profiles": mixed_profiles}
+        decode_ms, mixed_ms = 1e3 * row["decode_step_median_s"], 1e3 * row["mixed_step_median_s"]
+        device_ms = 1e3 * statistics.median(p["device_kernel_s"] for p in mixed_profiles)
+        print(f"{policy:12s} chunk {chunk:5d}  decode {decode_ms:7.1f} ms  mixed {mixed_ms:7.1f} ms  mixed device "
+              f"{device_ms:7.1f} ms in {mixed_profiles[0]['device_kernels']} kernels", flush=True)
+        rows.append(row)
+    rows[-1]["decode_profile"] = profiled(engine.step, device)
     engine.close()
     del engine
     if device.type == "cuda":
         free_device_memory()
-    row = {"policy": policy, "batch": args.batch, "context": args.context, "chunk": args.chunk,
-           "decode_step_median_s": statistics.median(decode_wall), "mixed_step_median_s": statistics.median(mixed_wall),
-           "mixed_profiles": mixed_profiles, "decode_profile": decode_profile}
-    mixed_device = [p["device_kernel_s"] for p in mixed_profiles]
-    decode_ms, mixed_ms = 1e3 * row["decode_step_median_s"], 1e3 * row["mixed_step_median_s"]
-    device_ms = 1e3 * statistics.median(mixed_device) if mixed_device else 0.0
-    print(f"{policy:12s} decode {decode_ms:7.1f} ms  mixed {mixed_ms:7.1f} ms  mixed device {device_ms:7.1f} ms in "
-          f"{mixed_profiles[0]['device_kernels'] if mixed_profiles else 0} kernels", flush=True)
-    return row
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-budget", type=float, default=None)
     p.add_argument("--batch", type=int, default=64, help="decode sequences in every step")
     p.add_argument("--context", type=int, default=1024, help="their prompt tokens")
-    p.add_argument("--chunk", type=int, default=2048, help="prompt tokens of each added request (one chunk)")
+    p.add_argument("--chunk", type=int, nargs="+", default=[512, 1024, 2048],
+                   help="prompt tokens of each added request (one chunk); one row per value")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--cpu-kv-blocks", type=int, default=4096)
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats must be >= 2 (timed and profiled mixed steps alternate)")
     with tempfile.TemporaryDirectory() as tmp:
         args.model_dir = resolve_model(args.model, Path(tmp))
-        rows = [profile_policy(args, policy) for policy in args.policies]
+        rows = [row for policy in args.policies for row in profile_policy(args, policy)]
     Path(args.out).write_text(json.dumps({"metadata": metadata(args), "rows": rows}, indent=2))
     return 0
 
