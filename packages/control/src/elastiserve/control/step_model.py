@@ -1,20 +1,22 @@
 """Step-time model for the simulator: time of one forward pass from batch shape and precision mode.
 
     t = host_overhead + max(weight read, batch_tokens x compute per token) + context KV read
+        + base_step (a batch that reads any BASE pair)
         + demotion kernel (launch/metadata + bytes / kernel bandwidth) + unpack of landed promotions (same form)
 
-with weight read and compute interpolated between full and fast by the fraction of fast layers (a policy that
-keeps plain fp16 weights uses the ``*_unnested_*`` coefficients instead: on the H200 the nested full-mode decode
-step took 2.0x the plain fp16 one, so the two differ), and BASE context tokens read at ``base_read_fraction`` of a
-TARGET token (measured above 1 on the H200 engine: its mixed-fidelity attention paths cost more per token than the
-native one, see the JSON's provenance). Fidelity transitions are costed from bytes, not fitted: a demoted pair reads
-its two blocks and writes the packed block and the low-byte staging (4 blocks of HBM traffic), an unpacked promotion
-reads the packed block and the staged low bytes and writes two blocks (4 blocks too), both at
-``transition_kernel_bytes_per_s`` (the measured ``kv_demote`` rate, BENCHMARKS.md); a promotion's host->device
-copy moves one block of low bytes at ``h2d_bytes_per_s`` (the replica queues it on its H2D copy engine, see
-``sim_replica``); the per-batch demotion cost ``demote_batch_s`` (launch, metadata and the host's ranking) is
-fitted from engine steps. Coefficients are data (a JSON carrying the device and commit they came from, and which
-ones are still assumptions).
+with weight read and compute interpolated between full and fast by the fraction of fast layers (a policy that keeps
+plain fp16 weights uses the ``*_unnested_*`` coefficients instead: on the H200 at 6bf4501 the nested full-mode
+decode step took 2.0x the plain fp16 one, so the two differ), and BASE context tokens read at ``base_read_fraction``
+of a TARGET token. ``base_step_s`` is what a step pays once when its batch reads any BASE pair, whatever their
+number (mixed-fidelity attention setup and host bookkeeping; on the H200 it also holds the larger CUDA-graph batch
+that elastickv's steps padded to, see the JSON's provenance); 0 in older JSONs. Fidelity transitions are costed from
+bytes, not fitted: a demoted pair reads its two blocks and writes the packed block and the low-byte staging (4
+blocks of HBM traffic), an unpacked promotion reads the packed block and the staged low bytes and writes two blocks
+(4 blocks too), both at ``transition_kernel_bytes_per_s`` (the measured ``kv_demote`` rate, BENCHMARKS.md); a
+promotion's host->device copy moves one block of low bytes at ``h2d_bytes_per_s`` (the replica queues it on its H2D
+copy engine, see ``sim_replica``); the per-batch demotion cost ``demote_batch_s`` (launch, metadata and the host's
+ranking) is fitted from engine steps. Coefficients are data (a JSON carrying the device and commit they came from,
+and which ones are still assumptions).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from pathlib import Path
 from elastiserve.platforms import ConfigError
 
 DEFAULT_STEP_MODEL = "step_model_h200_llama31_8b.json"
-# A BASE token reads half the bytes of a TARGET one, but the engine's mixed-fidelity decode paths cost more per
-# token than its native path (session 6: 1.40x, fitted from H200 engine steps), so the fraction may exceed 1.
+# A BASE token reads half the bytes of a TARGET one, but the engine's mixed-fidelity decode paths can cost more per
+# token than its native path (session 6's pooled fit said 1.40x; with a per-step BASE constant the H200 runs give
+# 0.43-1.04x), so the fraction may exceed 1.
 MAX_BASE_READ_FRACTION = 4.0
 TRANSITION_BLOCKS_MOVED = 4  # HBM bytes of one pack or unpack, in blocks (ARCHITECTURE.md, KV fidelity)
 OPTIONAL_KEYS = {"residual_units_per_layer", "device", "commit", "provenance", "promote_batch_s", "block_bytes",
                  "h2d_bytes_per_s", "transition_kernel_bytes_per_s", "weight_read_unnested_s",
-                 "compute_per_token_unnested_s"}
+                 "compute_per_token_unnested_s", "base_step_s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,7 @@ class StepModel:
     base_read_fraction: float
     demote_batch_s: float
     restore_per_unit_s: float
+    base_step_s: float = 0.0  # once per step whose batch reads any BASE pair
     promote_batch_s: float = 0.0005
     block_bytes: int = 2 * 1024 * 1024
     h2d_bytes_per_s: float = 55e9
@@ -108,6 +112,7 @@ class StepModel:
         compute = batch_tokens * ((1 - f) * full_compute + f * self.compute_per_token_fast_s)
         target_tokens = context_tokens - base_context_tokens
         kv = self.kv_read_per_token_s * (target_tokens + self.base_read_fraction * base_context_tokens)
+        kv += self.base_step_s if base_context_tokens > 0 else 0.0
         demotion = (self.demote_batch_s + self.demote_per_pair_s * demoted_pairs) if demoted_pairs else 0.0
         unpack = (self.promote_batch_s + self.unpack_per_pair_s * unpacked_pairs) if unpacked_pairs else 0.0
         return self.host_overhead_s + max(weights, compute) + kv + demotion + unpack
