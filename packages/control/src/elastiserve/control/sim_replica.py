@@ -25,7 +25,7 @@ from elastiserve.control.observation import ALL_LAYERS, Decision, StepObservatio
 from elastiserve.control.pool import KVPoolModel, make_pool
 from elastiserve.control.precision import layers_to_run_fast
 from elastiserve.control.sim_sequence import PromotionInFlight, SimSequence
-from elastiserve.control.step_model import StepModel
+from elastiserve.control.step_model import StepModel, padded_batch
 from elastiserve.control.workloads import Request
 from elastiserve.platforms import ConfigError
 
@@ -333,8 +333,10 @@ class Replica:
         fast = fast_layers / max(1, self.pool.num_layers)
         # The step's input upload queues behind the H2D bytes issued before it (earlier rounds' copies).
         upload_wait = max(0.0, self._upload_barrier - self.now)
+        # A decode-only step replays the CUDA graph of its padded batch; one with a prefill chunk runs eagerly.
+        rows = 0 if prefills else padded_batch(len(decodes), self.rc.max_num_seqs)
         dt = upload_wait + self.sm.step_time(len(decodes) + prefill_tokens, context, base_ctx, fast, demoted, unpacked,
-                                             nested=self.control.uses_eviction)
+                                             nested=self.control.uses_eviction, padded_rows=rows)
         self.exposure.add(dt, base_read, pairs_read)
         self.modes.add(dt, fast_layers)
         self.h2d_stall_s += upload_wait

@@ -1,20 +1,28 @@
 """Step-time model for the simulator: time of one forward pass from batch shape and precision mode.
 
-    t = host_overhead + max(weight read, batch_tokens x compute per token) + context KV read
+    t = host_overhead + max(weight read, batch_tokens x compute per token)
+        + context KV read x (1 + padded_row_kv_fraction x padding rows / sequences)
+        + base_step (a batch that reads any BASE pair)
         + demotion kernel (launch/metadata + bytes / kernel bandwidth) + unpack of landed promotions (same form)
 
-with weight read and compute interpolated between full and fast by the fraction of fast layers (a policy that
-keeps plain fp16 weights uses the ``*_unnested_*`` coefficients instead: on the H200 the nested full-mode decode
-step took 2.0x the plain fp16 one, so the two differ), and BASE context tokens read at ``base_read_fraction`` of a
-TARGET token (measured above 1 on the H200 engine: its mixed-fidelity attention paths cost more per token than the
-native one, see the JSON's provenance). Fidelity transitions are costed from bytes, not fitted: a demoted pair reads
-its two blocks and writes the packed block and the low-byte staging (4 blocks of HBM traffic), an unpacked promotion
-reads the packed block and the staged low bytes and writes two blocks (4 blocks too), both at
-``transition_kernel_bytes_per_s`` (the measured ``kv_demote`` rate, BENCHMARKS.md); a promotion's host->device
-copy moves one block of low bytes at ``h2d_bytes_per_s`` (the replica queues it on its H2D copy engine, see
-``sim_replica``); the per-batch demotion cost ``demote_batch_s`` (launch, metadata and the host's ranking) is
-fitted from engine steps. Coefficients are data (a JSON carrying the device and commit they came from, and which
-ones are still assumptions).
+with weight read and compute interpolated between full and fast by the fraction of fast layers (a policy that keeps
+plain fp16 weights uses the ``*_unnested_*`` coefficients instead: on the H200 at 58a40e6 the nested full-mode batch-1
+decode step took 0.96x the plain fp16 one and fast mode 0.68x), and BASE context tokens read at
+``base_read_fraction`` of a TARGET token. A decode-only step runs the CUDA graph of the next captured batch size
+(``padded_batch``, the engine's ``graph_batch_sizes``), and each padding row costs ``padded_row_kv_fraction`` of the
+batch's mean KV read per sequence: on the H200 at a full pool, 32 running sequences took 10.9-11.0 ms and 33-36
+(padded to 48) 13.1-13.2 ms at the same context, and the fit gives 1.03 (a padding row costs a mean row). A fixed
+cost per row fits those steps as well but predicts 14.4 ms for the engine benchmark's 64 rows at 512 tokens each,
+measured 6.15 ms; this form predicts 6.45 ms. A step with a prefill chunk runs eagerly, unpadded. ``base_step_s`` is
+what a step pays once when its batch reads any BASE pair, whatever their number (mixed-fidelity attention setup and
+host bookkeeping); 0 in older JSONs. Fidelity transitions are costed from
+bytes, not fitted: a demoted pair reads its two blocks and writes the packed block and the low-byte staging (4
+blocks of HBM traffic), an unpacked promotion reads the packed block and the staged low bytes and writes two blocks
+(4 blocks too), both at ``transition_kernel_bytes_per_s`` (the measured ``kv_demote`` rate, BENCHMARKS.md); a
+promotion's host->device copy moves one block of low bytes at ``h2d_bytes_per_s`` (the replica queues it on its H2D
+copy engine, see ``sim_replica``); the per-batch demotion cost ``demote_batch_s`` (launch, metadata and the host's
+ranking) is fitted from engine steps. Coefficients are data (a JSON carrying the device and commit they came from,
+and which ones are still assumptions).
 """
 
 from __future__ import annotations
@@ -27,13 +35,15 @@ from pathlib import Path
 from elastiserve.platforms import ConfigError
 
 DEFAULT_STEP_MODEL = "step_model_h200_llama31_8b.json"
-# A BASE token reads half the bytes of a TARGET one, but the engine's mixed-fidelity decode paths cost more per
-# token than its native path (session 6: 1.40x, fitted from H200 engine steps), so the fraction may exceed 1.
+# A BASE token reads half the bytes of a TARGET one, but the engine's mixed-fidelity decode paths can cost more per
+# token than its native path (session 6's pooled fit said 1.40x; with a per-step BASE constant the H200 runs give
+# 0.17-1.04x, see the JSON's provenance), so the fraction may exceed 1.
 MAX_BASE_READ_FRACTION = 4.0
+GRAPH_SIZES_BELOW_16 = (1, 2, 4, 8)  # then multiples of 16 (elastiserve.engine.graphs.graph_batch_sizes)
 TRANSITION_BLOCKS_MOVED = 4  # HBM bytes of one pack or unpack, in blocks (ARCHITECTURE.md, KV fidelity)
 OPTIONAL_KEYS = {"residual_units_per_layer", "device", "commit", "provenance", "promote_batch_s", "block_bytes",
                  "h2d_bytes_per_s", "transition_kernel_bytes_per_s", "weight_read_unnested_s",
-                 "compute_per_token_unnested_s"}
+                 "compute_per_token_unnested_s", "base_step_s", "padded_row_kv_fraction"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +57,8 @@ class StepModel:
     base_read_fraction: float
     demote_batch_s: float
     restore_per_unit_s: float
+    base_step_s: float = 0.0  # once per step whose batch reads any BASE pair
+    padded_row_kv_fraction: float = 0.0  # of the mean sequence's KV read, per CUDA-graph padding row; 0: none
     promote_batch_s: float = 0.0005
     block_bytes: int = 2 * 1024 * 1024
     h2d_bytes_per_s: float = 55e9
@@ -65,6 +77,8 @@ class StepModel:
             raise ConfigError("step-model coefficients must be >= 0")
         if not 0 < self.base_read_fraction <= MAX_BASE_READ_FRACTION:
             raise ConfigError(f"base_read_fraction must lie in (0, {MAX_BASE_READ_FRACTION}]")
+        if self.padded_row_kv_fraction > MAX_BASE_READ_FRACTION:
+            raise ConfigError(f"padded_row_kv_fraction must lie in [0, {MAX_BASE_READ_FRACTION}]")
         if self.block_bytes < 1 or self.h2d_bytes_per_s <= 0 or self.transition_kernel_bytes_per_s <= 0:
             raise ConfigError("block_bytes and the transfer bandwidths must be > 0")
 
@@ -92,9 +106,13 @@ class StepModel:
         demoted_pairs: int = 0,
         unpacked_pairs: int = 0,
         nested: bool = True,
+        padded_rows: int = 0,
     ) -> float:
         """Seconds for one step. ``fast_fraction`` is the fraction of decoder layers in fast (FP8) mode;
-        ``nested=False`` is a policy that keeps plain fp16 weights (it never has fast layers)."""
+        ``nested=False`` is a policy that keeps plain fp16 weights (it never has fast layers); ``padded_rows`` is the
+        CUDA-graph batch of a decode-only step of ``batch_tokens`` sequences (``padded_batch``; 0: no graph)."""
+        if padded_rows and padded_rows < batch_tokens:
+            raise ConfigError(f"a graph of {padded_rows} rows cannot hold {batch_tokens} sequences")
         if batch_tokens <= 0:
             return 0.0
         f = min(1.0, max(0.0, fast_fraction))
@@ -108,6 +126,9 @@ class StepModel:
         compute = batch_tokens * ((1 - f) * full_compute + f * self.compute_per_token_fast_s)
         target_tokens = context_tokens - base_context_tokens
         kv = self.kv_read_per_token_s * (target_tokens + self.base_read_fraction * base_context_tokens)
+        if padded_rows:
+            kv *= 1 + self.padded_row_kv_fraction * (padded_rows - batch_tokens) / batch_tokens
+        kv += self.base_step_s if base_context_tokens > 0 else 0.0
         demotion = (self.demote_batch_s + self.demote_per_pair_s * demoted_pairs) if demoted_pairs else 0.0
         unpack = (self.promote_batch_s + self.unpack_per_pair_s * unpacked_pairs) if unpacked_pairs else 0.0
         return self.host_overhead_s + max(weights, compute) + kv + demotion + unpack
@@ -115,7 +136,18 @@ class StepModel:
     def base_tpot(self, context_tokens: int = 1024) -> float:
         """T_base of the DPS SLO: an unloaded single-request decode step of the plain fp16 baseline, one value for
         every policy of a comparison."""
-        return self.step_time(1, context_tokens, nested=False)
+        return self.step_time(1, context_tokens, nested=False, padded_rows=1)
+
+
+def padded_batch(num_seqs: int, max_num_seqs: int) -> int:
+    """The CUDA-graph batch the engine pads a decode-only step of ``num_seqs`` sequences to: the next of 1, 2, 4, 8,
+    then multiples of 16, with ``max_num_seqs`` itself the largest (``graph_batch_sizes``, which imports torch)."""
+    if max_num_seqs < 1 or not 0 <= num_seqs <= max_num_seqs:
+        raise ConfigError(f"need 0 <= num_seqs <= max_num_seqs and max_num_seqs >= 1, got {num_seqs}, {max_num_seqs}")
+    if num_seqs == 0:
+        return 0
+    size = next((s for s in GRAPH_SIZES_BELOW_16 if num_seqs <= s), -(-num_seqs // 16) * 16)
+    return min(size, max_num_seqs)
 
 
 def load_step_model(path: Path | None = None) -> StepModel:
