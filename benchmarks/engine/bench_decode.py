@@ -151,7 +151,8 @@ def decode_inputs(engine: LLMEngine, batch: int, context: int) -> StepInputs:
 
 def first_rows(inputs: StepInputs, n: int) -> StepInputs:
     return StepInputs(inputs.tokens[:n], inputs.positions[:n], inputs.slots[:n], inputs.query_lens[:n],
-                      inputs.seq_lens[:n], inputs.block_tables[:n], inputs.pair_modes[:n])
+                      inputs.seq_lens[:n], inputs.block_tables[:n], inputs.base_bounds[:n],
+                      {i: modes for i, modes in inputs.pair_modes.items() if i < n})
 
 
 def decode_step_fn(runner: ModelRunner, inputs: StepInputs, with_logits: bool = True):

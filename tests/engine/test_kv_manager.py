@@ -127,10 +127,12 @@ def test_pair_modes_choose_the_attention_path_and_exposure():
     ops = [kv.demote(seq, 1), kv.demote(seq, 2)]
     kv.release_demoted(ops)
     assert choose_path([KVManager.pair_modes(seq)]) == (STRUCTURED_READ_PATH, [(1, 3)])
+    assert kv.base_bounds(seq) == (1, 3)
     kv.record_exposure(seq, seq.num_tokens)
     assert kv.exposure.ratio == pytest.approx(2 / 6)
     kv.release_demoted([kv.demote(seq, 4)])
     assert choose_path([KVManager.pair_modes(seq)])[0] == GENERAL  # two BASE runs
+    assert kv.base_bounds(seq) is None
 
 
 def test_random_transitions_never_lose_a_block():

@@ -16,7 +16,7 @@ from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
-from elastiserve.kernels.attention_plan import GENERAL, STRUCTURED, STRUCTURED_SPLIT, choose_path
+from elastiserve.kernels.attention_plan import GENERAL, STRUCTURED, STRUCTURED_SPLIT, choose_path_from_bounds
 
 
 @dataclass(slots=True)
@@ -27,7 +27,8 @@ class StepInputs:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
-    pair_modes: list[list[int]] = field(default_factory=list)
+    base_bounds: list[tuple[int, int] | None] = field(default_factory=list)  # KVManager.base_bounds per sequence
+    pair_modes: dict[int, list[int]] = field(default_factory=dict)  # row -> KVManager.pair_modes where bounds are None
     sample_indices: list[int] = field(default_factory=list)  # sequences whose chunk ends this step
     sample_params: list[SamplingParams] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
@@ -50,7 +51,10 @@ def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
         inputs.query_lens.append(n)
         inputs.seq_lens.append(start + n)
         inputs.block_tables.append(list(seq.block_table))
-        inputs.pair_modes.append(kv.pair_modes(seq))
+        bounds = kv.base_bounds(seq)
+        inputs.base_bounds.append(bounds)
+        if bounds is None:  # BASE pairs in several runs: the general path reads them pair by pair
+            inputs.pair_modes[i] = kv.pair_modes(seq)
         if batch.samples(i):
             inputs.sample_indices.append(i)
             inputs.sample_params.append(seq.params)
@@ -89,14 +93,17 @@ class InputBuffers:
         _fill(self.seq_lens, inputs.seq_lens + [1] * pad)
         self.block_tables[:padded].copy_(torch.from_numpy(block_table_array(inputs.block_tables, padded,
                                                                             self.max_blocks)), non_blocking=True)
-        path, bounds = choose_path(inputs.pair_modes)
+        path, bounds = choose_path_from_bounds(inputs.base_bounds)
         if path in (STRUCTURED, STRUCTURED_SPLIT):
             rows = bounds + [(0, 0)] * pad
             self.base_bounds[:padded].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
         elif path == GENERAL:
             modes = torch.zeros((padded, self.pair_mode.shape[1]), dtype=torch.uint8)
-            for i, row in enumerate(inputs.pair_modes):
-                modes[i, : len(row)] = torch.tensor(row, dtype=torch.uint8)
+            for i, run in enumerate(inputs.base_bounds):
+                if run is None:
+                    modes[i, : len(inputs.pair_modes[i])] = torch.tensor(inputs.pair_modes[i], dtype=torch.uint8)
+                else:
+                    modes[i, run[0] : run[1]] = 1
             self.pair_mode[:padded].copy_(modes, non_blocking=True)
         return self.metadata_view(qsl[-1], padded, max(inputs.query_lens), path)
 

@@ -62,14 +62,14 @@ class AttentionPlan:
     pair_mode: torch.Tensor  # uint8 [max_batch, max_pairs] device view; valid rows [:batch] when path == 2
 
 
-def _base_runs(modes: Sequence[int] | np.ndarray) -> tuple[int, int, bool]:
-    """(first BASE pair, end of the last BASE pair, whether the BASE pairs are one contiguous run)."""
-    flags = np.asarray(modes, dtype=np.uint8)
-    where = np.flatnonzero(flags)
+def _base_run(modes: Sequence[int] | np.ndarray) -> tuple[int, int] | None:
+    """[first BASE pair, end of the last BASE pair) when the BASE pairs are one contiguous run ((0, 0) without any),
+    else None."""
+    where = np.flatnonzero(np.asarray(modes, dtype=np.uint8))
     if where.size == 0:
-        return 0, 0, True
+        return 0, 0
     first, end = int(where[0]), int(where[-1]) + 1
-    return first, end, where.size == end - first
+    return (first, end) if where.size == end - first else None
 
 
 def choose_path(pair_modes: Sequence[Sequence[int] | np.ndarray]) -> tuple[int, list[tuple[int, int]]]:
@@ -77,12 +77,17 @@ def choose_path(pair_modes: Sequence[Sequence[int] | np.ndarray]) -> tuple[int, 
     sequence is T*B*T*, else general."""
     if all(len(modes) == 0 for modes in pair_modes):  # an engine's all-TARGET batch: no per-pair scan
         return NATIVE, []
-    runs = [_base_runs(modes) for modes in pair_modes]
-    if all(first == end for first, end, _ in runs):
+    return choose_path_from_bounds([_base_run(modes) for modes in pair_modes])
+
+
+def choose_path_from_bounds(bounds: Sequence[tuple[int, int] | None]) -> tuple[int, list[tuple[int, int]]]:
+    """:func:`choose_path` for callers that track each sequence's BASE pairs: ``(first, end)`` when they are one run
+    ((0, 0) without any), None when they are not (the general path; the caller then fills the pair-mode table)."""
+    if None in bounds:
+        return GENERAL, []
+    if all(first == end for first, end in bounds):
         return NATIVE, []
-    if all(contiguous for _, _, contiguous in runs):
-        return STRUCTURED_READ_PATH, [(first, end) for first, end, _ in runs]
-    return GENERAL, []
+    return STRUCTURED_READ_PATH, list(bounds)
 
 
 def plan_attention(
