@@ -46,6 +46,7 @@ def build(args: argparse.Namespace, policy: str) -> LLMEngine:
 
 def profiled(step, device: torch.device) -> dict[str, Any]:
     """One call of ``step`` under torch.profiler: device kernel time and count, top host operators."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -54,8 +55,12 @@ def profiled(step, device: torch.device) -> dict[str, Any]:
         step()
     wall = time.perf_counter() - t0
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) if device.type == "cuda" else 0.0
-    kernels = sum(e.count for e in events if e.self_device_time_total > 0) if device.type == "cuda" else 0
+    # Only the device-side rows (kernels, memcpy, memset): a host operator's row can also carry the device time of
+    # the kernels it launched. Session 7's first run summed every row and got 155 ms of "device time" for a
+    # 2,048-token chunk whose step took 86 ms of wall time (147 ms under the profiler).
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA]
+    device_us = sum(e.self_device_time_total for e in on_device)
+    kernels = sum(e.count for e in on_device)
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {"wall_under_profiler_s": wall, "device_kernel_s": device_us / 1e6, "device_kernels": kernels,
             "top_host_ops": [{"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
