@@ -15,10 +15,10 @@ T_BASE=${T_BASE:-0.02465}
   --rate 4 --rate 8 --rate 12 --max-duration 60 --max-num-batched-tokens 2048 --t-base $T_BASE \
   --policies static-fp16 dps --no-progress --out $OUT/moe > $OUT/moe-gpu1.log 2>&1) &
 sleep 3
-test_cuda_on_gpu0 330
+test_cuda_on_gpu0 420  # 330 s was not enough beside the MoE run (session 7)
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/serving/headline.py --setting dense --requests 200 \
   --concurrency 64 --max-duration 150 --policies elastickv --no-progress --out $OUT/dense > $OUT/dense-elastickv.log 2>&1
-(cd benchmarks/engine && CUDA_VISIBLE_DEVICES=0 timeout $((560 - SECONDS)) python3 profile_mixed_step.py \
+(cd benchmarks/engine && CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 profile_mixed_step.py \
   --model qwen3-30b-a3b --policies static-fp16 --gpu-memory-budget 80e9 --batch 64 --context 1024 \
   --chunk 512 1024 2048 --repeats 4 --out $OUT/mixed-step-profile.json > $OUT/mixed-step-profile.log 2>&1)
 grep -v "^USDT\|profiler_st" $OUT/mixed-step-profile.log | tail -5
@@ -29,4 +29,7 @@ cat $OUT/dense-table.txt; grep -i "base_read_fraction\|base_step\|demote_batch" 
 wait
 python3 benchmarks/serving/headline.py --setting moe --out $OUT/moe --summarize > $OUT/moe-table.txt 2>&1
 cat $OUT/moe-table.txt
-tar czf $OUT/runs.tgz -C $OUT moe moe-gpu1.log dense dense-elastickv.log && rm -rf $OUT/moe $OUT/dense
+# At most 8 files come back (session 7 lost the suite's log and both runs' JSON to a tenth file): pack the rest.
+tar czf $OUT/runs.tgz -C $OUT moe moe-gpu1.log dense dense-elastickv.log mixed-step-profile.log \
+  && rm -rf $OUT/moe $OUT/dense $OUT/moe-gpu1.log $OUT/dense-elastickv.log $OUT/mixed-step-profile.log
+ls $OUT
