@@ -90,7 +90,9 @@ def _nested_moe_kernel(
     tl.store(out_ptr + out_off, acc.to(tl.float16), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+# max_tiles changes with every token count; specialized (Triton keys ints on == 1 and % 16), a count that warm-up did
+# not meet would compile a second variant mid-run.
+@triton.jit(do_not_specialize=["max_tiles"])
 def _tile_map_kernel(offsets_ptr, tile_expert_ptr, tile_row_ptr, max_tiles,
                      NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_T: tl.constexpr):
