@@ -40,6 +40,7 @@ import torch
 
 from elastiserve.engine.bench.results import git_commit
 from elastiserve.engine.config import POLICIES, EngineConfig
+from elastiserve.engine.graphs import StepShape
 from elastiserve.engine.llm_engine import LLMEngine
 from elastiserve.engine.runner import ModelRunner, StepInputs
 from elastiserve.engine.sampling import SamplingParams
@@ -230,7 +231,8 @@ def run_switch(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     preempt0 = engine.scheduler.num_preemptions
     graphs = engine.runner.graphs
     padded = graphs.padded_size(len(ids), True) if graphs is not None else None
-    fast_graph_ready = graphs is not None and any(k[0] == padded and k[1] == plan[1] for k in graphs.graphs)
+    fast_graph_ready = graphs is not None and any(k[0] == StepShape(padded, padded) and k[1] == plan[1]
+                                                  for k in graphs.graphs)
     records, problems, late = [], [], []
     for phase, layers in enumerate(plan):
         engine.force_fast_layers(layers)

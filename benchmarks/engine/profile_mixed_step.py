@@ -38,8 +38,10 @@ def build(args: argparse.Namespace, policy: str) -> LLMEngine:
     settings: dict[str, Any] = {"max_num_batched_tokens": max(args.chunk) + args.batch}
     if args.gpu_memory_budget:
         settings["gpu_memory_budget"] = int(args.gpu_memory_budget)
+    if args.mixed_graphs:  # capture at first use: each chunk's untimed first step captures its graph
+        settings.update(mixed_graphs=True, graph_capture_after=1)
     config = EngineConfig(model=args.model_dir, policy=policy, device=args.device, load_format="dummy",
-                          max_num_seqs=args.batch + args.repeats * len(args.chunk) + 1,
+                          max_num_seqs=args.batch + (args.repeats + 1) * len(args.chunk) + 1,
                           max_model_len=args.max_model_len, cpu_kv_blocks=args.cpu_kv_blocks, seed=0, **settings)
     return LLMEngine(config, eos_token_ids=())
 
@@ -70,12 +72,15 @@ def profiled(step, device: torch.device) -> dict[str, Any]:
 def profile_policy(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]:
     engine = build(args, policy)
     device = torch.device(args.device)
-    start_decoding(engine, args.batch, args.context, 2 * args.repeats * len(args.chunk) + 16, tag=f"{policy}-decode")
+    start_decoding(engine, args.batch, args.context, (2 * args.repeats + 1) * len(args.chunk) + 16,
+                   tag=f"{policy}-decode")
     rng = random.Random(17)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     rows = []
     for chunk in args.chunk:
         decode_wall, mixed_wall, mixed_profiles = [], [], []
+        engine.add_request(f"{policy}-chunk{chunk}-warm", prompt_ids(engine.vocab_size, chunk, rng), params)
+        engine.step()  # untimed: a compile or a graph capture at this shape's first use is not the step's cost
         for i in range(args.repeats):
             t0 = time.perf_counter()
             engine.step()
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, nargs="+", default=[512, 1024, 2048],
                    help="prompt tokens of each added request (one chunk); one row per value")
     p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--mixed-graphs", action="store_true", help="replay mixed steps from CUDA graphs (graphs.py)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--cpu-kv-blocks", type=int, default=4096)
     p.add_argument("--out", required=True)

@@ -71,6 +71,7 @@ def test_serve_flags_reach_engine_settings():
             "--enforce-eager",
             "--graph-capture-after",
             "3",
+            "--mixed-graphs",
             "--device",
             "cpu",
         ]
@@ -97,6 +98,7 @@ def test_serve_flags_reach_engine_settings():
         "load_format": "dummy",
         "enforce_eager": True,
         "graph_capture_after": 3,
+        "mixed_graphs": True,
         "seed": 0,
         "cpu_kv_blocks": 512,
     }

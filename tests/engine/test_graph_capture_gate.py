@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastiserve.engine.config import EngineConfig
-from elastiserve.engine.graphs import GraphRunner
+from elastiserve.engine.graphs import GraphRunner, StepShape, mixed_seq_buckets, mixed_token_buckets
 from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu]
@@ -30,9 +30,9 @@ def graph_runner(capture_after: int) -> tuple[GraphRunner, StubRunner, list]:
     graphs = GraphRunner(runner, [1, 2, 4], capture_after)
     captures = []
 
-    def capture(batch_size, path):
-        captures.append((batch_size, runner.fast_layers, path))
-        return SimpleNamespace(replay=lambda: ("replay", batch_size, path))
+    def capture(shape, path):
+        captures.append((shape.batch, runner.fast_layers, path))
+        return SimpleNamespace(replay=lambda: ("replay", shape.batch, path))
 
     graphs._capture = capture
     return graphs, runner, captures
@@ -81,3 +81,18 @@ def test_capture_after_one_is_capture_at_first_use():
 def test_capture_after_must_be_positive():
     with pytest.raises(ConfigError, match="graph_capture_after"):
         EngineConfig(model="x", graph_capture_after=0)
+
+
+def test_mixed_steps_pad_to_token_and_sequence_buckets_only_when_enabled():
+    graphs, _, captures = graph_runner(capture_after=1)
+    assert graphs.step_shape(700, 3, is_decode=False) is None  # mixed graphs off: eager
+    assert graphs.step_shape(3, 3, is_decode=True) == StepShape(4, 4)
+    assert graphs.step_shape(5, 5, is_decode=True) is None  # beyond the largest decode graph
+    graphs.mixed_buckets = (mixed_token_buckets(2112), mixed_seq_buckets(64))
+    assert mixed_token_buckets(2112) == [256, 512, 1024, 2048, 2112] and mixed_seq_buckets(64) == [16, 32, 64]
+    shape = graphs.step_shape(700, 3, is_decode=False)
+    assert shape == StepShape(1024, 16, mixed=True) and shape.max_query_len == 1024
+    assert graphs.step_shape(2113, 3, is_decode=False) is None and graphs.step_shape(8, 65, is_decode=False) is None
+    assert graphs.run(shape, SimpleNamespace(path=0)) == ("replay", 16, 0)
+    assert graphs.run(4, SimpleNamespace(path=0)) == ("replay", 4, 0)  # a decode graph of 4 is another key
+    assert len(captures) == 2

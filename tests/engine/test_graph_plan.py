@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from tiny_models import random_fp16_model, small_llama_config
 
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.llm_engine import LLMEngine
-from elastiserve.engine.models import build_model
 
 pytestmark = [pytest.mark.cpu]
 
@@ -29,15 +28,7 @@ class RecordingGraphs:
 
 
 def engine_for(policy: str) -> LLMEngine:
-    config = transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=128, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = build_model(config.to_dict(), dtype=torch.float16, device="cpu")
-    torch.manual_seed(0)
-    model.load_weights((n, (torch.randn_like(t, dtype=torch.float32) * 0.05).half())
-                       for n, t in transformers.LlamaForCausalLM(config).state_dict().items())
+    model = random_fp16_model(small_llama_config(LAYERS, 128))
     options = dict(model="tiny", device="cpu", policy=policy, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                    kv_cache_budget=64 * 3 * 2 * 2 * 4 * 16 * 2)
     return LLMEngine(EngineConfig(**options), model=model, eos_token_ids=())

@@ -13,3 +13,25 @@ def tiny_llama_config() -> transformers.LlamaConfig:
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
         initializer_range=0.15, tie_word_embeddings=False,
     )  # fmt: skip
+
+
+def small_llama_config(num_layers: int, max_positions: int) -> transformers.LlamaConfig:
+    """The graph and padding tests' model: 97 tokens, 64 wide, GQA 4 / 2 heads of 16."""
+    return transformers.LlamaConfig(
+        architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=max_positions, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def random_fp16_model(config: transformers.LlamaConfig, device: str = "cpu", scale: float = 0.05):
+    """An engine model of ``config`` with seeded random fp16 weights of standard deviation ``scale``."""
+    import torch
+
+    from elastiserve.engine.models import build_model
+
+    model = build_model(config.to_dict(), dtype=torch.float16, device=device)
+    torch.manual_seed(0)
+    model.load_weights((n, (torch.randn_like(t, dtype=torch.float32) * scale).half())
+                       for n, t in transformers.LlamaForCausalLM(config).state_dict().items())
+    return model

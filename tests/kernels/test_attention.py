@@ -124,3 +124,30 @@ def test_compile_fullgraph(device):
     expected = layer_step(*args)
     compiled = torch.compile(layer_step, fullgraph=True, backend="aot_eager" if device.type == "cpu" else "inductor")
     torch.testing.assert_close(compiled(*args), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name, path", [("structured", STRUCTURED), ("general", GENERAL), ("prefill", NATIVE)])
+def test_padding_of_a_mixed_graph_leaves_real_rows_unchanged(device, name, path):
+    """A mixed step replayed from a graph (engine graphs.py) is padded: sequences with no queries and no KV, query
+    rows past ``query_start_loc[B]`` that belong to no sequence, and ``max_query_len`` set to the padded token count
+    (a larger grid, and a taller query tile, so the GPU may sum in another order: the kernel tolerance, not
+    equality; the interpreter gives equal rows)."""
+    batch = build_batch(device, **SCENARIOS[name])
+    _, bounds, modes = metadata(batch, device, path)
+    expected = run_attention(batch, path, bounds, modes)
+    real_seqs, real_tokens = batch.seq_lens.shape[0], batch.q.shape[0]
+    pad_seqs, padded_tokens = 3, real_tokens + 37
+    gen = torch.Generator().manual_seed(5)
+    q = torch.cat([batch.q, torch.randn(padded_tokens - real_tokens, *batch.q.shape[1:], generator=gen).half()
+                   .to(device)])
+    zeros = torch.zeros(pad_seqs, dtype=torch.int32, device=device)
+    tables = torch.cat([batch.block_tables, torch.zeros(pad_seqs, batch.block_tables.shape[1], dtype=torch.int32,
+                                                        device=device)])
+    qsl = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(pad_seqs)])
+    extra = {"base_bounds": torch.cat([bounds[:real_seqs], torch.zeros(pad_seqs, 2, dtype=torch.int32,
+                                                                       device=device)]).contiguous()} \
+        if path == STRUCTURED else {"pair_mode": torch.cat([modes[:real_seqs], torch.zeros(
+            pad_seqs, modes.shape[1], dtype=torch.uint8, device=device)])} if path == GENERAL else {}
+    got = paged_attention(q, batch.cache, LAYER, tables, torch.cat([batch.seq_lens, zeros]), qsl,
+                          scale=0.37, max_query_len=padded_tokens, path=path, **extra)
+    torch.testing.assert_close(got[:real_tokens], expected, atol=4e-3, rtol=1e-2)

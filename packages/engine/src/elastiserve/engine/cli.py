@@ -56,14 +56,16 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
     p.add_argument("--graph-capture-after", type=int, default=8,
                    help="capture a decode graph first needed mid-run (a per-layer precision mix) at its Nth use; "
                         "until then that step runs eagerly (1: capture at first use)")
+    p.add_argument("--mixed-graphs", action="store_true",
+                   help="replay CUDA graphs for steps that carry prefill chunks too (padded to token buckets)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-kv-blocks", type=int, default=512, help="KV pool size in blocks on the CPU")
 
 
 ENGINE_FIELDS = ("device", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
                  "host_backing_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "tensor_parallel_size", "load_format", "enforce_eager", "graph_capture_after", "seed",
-                 "cpu_kv_blocks")
+                 "tensor_parallel_size", "load_format", "enforce_eager", "graph_capture_after", "mixed_graphs",
+                 "seed", "cpu_kv_blocks")
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

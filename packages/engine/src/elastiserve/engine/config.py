@@ -30,6 +30,9 @@ class EngineConfig:
     load_format: str = "auto"
     enforce_eager: bool = False
     graph_capture_after: int = 8  # a decode graph first needed mid-run is captured at its 8th use (graphs.py)
+    # Steps that carry prefill chunks replay graphs too, padded to token and sequence buckets (graphs.py). Off until
+    # measured on a GPU: such a step of the MoE engine took 86-94 ms of host time eagerly, whatever its chunk.
+    mixed_graphs: bool = False
     seed: int = 0
     host_backing_bytes: int | None = None  # host memory for demoted pairs' low bytes; None: as large as the KV pool
     sink_pairs: int = 1  # leading pairs of each sequence never demoted (attention sinks)

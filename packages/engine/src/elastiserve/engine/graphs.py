@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps, keyed by (padded batch size, fast layers, attention path).
+"""CUDA graphs for decode steps (and optionally mixed ones), keyed by (padded shape, fast layers, attention path).
 
 A decode step of B sequences is padded to the next captured size; the graph reads the runner's preallocated input
 and metadata buffers, so a replay only needs those buffers refilled. Graphs are captured lazily the first time a key
@@ -11,6 +11,14 @@ its ``capture_after``-th use, and only then is captured. On the H200 (session 6)
 evicted four layers at a time and met 8 mixes; six decode steps of 2-15 sequences took 0.25-0.26 s, all at a
 mix's first steps, where its other decode steps took a median 31 ms (a capture inside the step; not profiled). A
 key that a mix uses once or twice is not worth a capture; the threshold is a guess, not measured.
+
+With ``EngineConfig.mixed_graphs`` a step that carries prefill chunks is padded to a token bucket and a sequence
+bucket (``mixed_token_buckets``, ``mixed_seq_buckets``) and replays a graph of that key too, captured behind the
+same gate. Its padding tokens belong to no sequence (slot -1, so nothing is written; attention leaves their rows
+unset and every other op is row-wise) and its padding sequences have no queries; attention's grid is sized by the
+token bucket (``max_query_len``), as an eager step of a chunk that long sizes it. Eagerly, such a MoE step took
+86-94 ms of host time whatever its chunk (benchmarks/engine/results/h200-mixed-step-profile-run1.*); the graphs
+are not yet measured on a GPU, so the option is off by default.
 """
 
 from __future__ import annotations
@@ -35,25 +43,67 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+MIXED_MIN_TOKENS = 256  # smallest token bucket of a mixed step
+
+
+def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from MIXED_MIN_TOKENS, then the step's token budget itself."""
+    sizes, size = [], MIXED_MIN_TOKENS
+    while size < max_num_batched_tokens:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_num_batched_tokens]
+
+
+def mixed_seq_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two from 16 (a mixed graph's attention grid grows with its sequences), then ``max_num_seqs``."""
+    sizes, size = [], 16
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_num_seqs]
+
+
+def _bucket(sizes: list[int], n: int) -> int | None:
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step is padded to: ``tokens`` rows of input, ``batch`` sequences; ``mixed`` when it carries prefill
+    chunks (its attention grid is sized for ``tokens`` queries), else a decode step of one token per sequence."""
+
+    tokens: int
+    batch: int
+    mixed: bool = False
+
+    @property
+    def max_query_len(self) -> int:
+        return self.tokens if self.mixed else 1
+
+
 @dataclass(slots=True)
 class CapturedStep:
     batch_size: int
     graph: torch.cuda.CUDAGraph
-    hidden: torch.Tensor  # output buffer of the captured forward, [batch_size, H]
+    hidden: torch.Tensor  # output buffer of the captured forward, [tokens, H]
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.hidden
 
 
-GraphKey = tuple[int, frozenset[int], int]  # (padded batch size, fast layers, attention path)
+GraphKey = tuple[StepShape, frozenset[int], int]  # (padded shape, fast layers, attention path)
 
 
 class GraphRunner:
-    def __init__(self, runner: Any, sizes: list[int], capture_after: int = 1) -> None:
+    def __init__(self, runner: Any, sizes: list[int], capture_after: int = 1,
+                 mixed_buckets: tuple[list[int], list[int]] | None = None) -> None:
         self.runner = runner
         self.sizes = sizes
         self.capture_after = capture_after
+        self.mixed_buckets = mixed_buckets  # (token buckets, sequence buckets); None: mixed steps run eagerly
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self._uses: Counter[GraphKey] = Counter()
         self._pool: Any = None
@@ -62,47 +112,59 @@ class GraphRunner:
         """The captured size a decode-only batch pads to; None for prefill steps or batches beyond the largest."""
         if not is_decode:
             return None
-        i = bisect.bisect_left(self.sizes, num_seqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return _bucket(self.sizes, num_seqs)
 
-    def run(self, batch_size: int, metadata: Any) -> torch.Tensor:
-        """The hidden states of a padded decode step whose inputs are loaded: a replay of its graph, or an eager
-        forward on the same inputs while the key has been used fewer than ``capture_after`` times."""
-        key = (batch_size, self.runner.fast_layers, metadata.path)
+    def step_shape(self, num_tokens: int, num_seqs: int, is_decode: bool) -> StepShape | None:
+        """The padded shape a step replays a graph of, or None when it runs eagerly."""
+        if is_decode:
+            size = _bucket(self.sizes, num_seqs)
+            return StepShape(size, size) if size is not None else None
+        if self.mixed_buckets is None:
+            return None
+        tokens, batch = _bucket(self.mixed_buckets[0], num_tokens), _bucket(self.mixed_buckets[1], num_seqs)
+        return StepShape(tokens, batch, mixed=True) if tokens is not None and batch is not None else None
+
+    def run(self, shape: StepShape | int, metadata: Any) -> torch.Tensor:
+        """The hidden states of a padded step whose inputs are loaded (``shape``: a StepShape, or a decode batch
+        size): a replay of its graph, or an eager forward on the same inputs while the key has been used fewer than
+        ``capture_after`` times."""
+        shape = StepShape(shape, shape) if isinstance(shape, int) else shape
+        key = (shape, self.runner.fast_layers, metadata.path)
         step = self.graphs.get(key)
         if step is None:
             self._uses[key] += 1
             if self._uses[key] < self.capture_after:
-                return self.runner.forward(batch_size, metadata)
+                return self.runner.forward(shape.tokens, metadata)
             del self._uses[key]
-            step = self.get(batch_size, metadata.path)
+            step = self.get(shape, metadata.path)
         return step.replay()
 
-    def get(self, batch_size: int, path: int) -> CapturedStep:
-        key = (batch_size, self.runner.fast_layers, path)
+    def get(self, shape: StepShape | int, path: int) -> CapturedStep:
+        shape = StepShape(shape, shape) if isinstance(shape, int) else shape
+        key = (shape, self.runner.fast_layers, path)
         step = self.graphs.get(key)
         if step is None:
-            step = self._capture(batch_size, path)
+            step = self._capture(shape, path)
             self.graphs[key] = step
         return step
 
     def capture_common(self, paths: tuple[int, ...] = (0,)) -> None:
-        """Capture the graph of every size on each attention path in the runner's current mode, with inputs that
-        write nothing."""
+        """Capture the decode graph of every size on each attention path in the runner's current mode, with inputs
+        that write nothing."""
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its pool
             for path in paths:
                 self.runner.buffers.reset_for_capture(size)
                 self.get(size, path)
 
-    def _capture(self, batch_size: int, path: int) -> CapturedStep:
+    def _capture(self, shape: StepShape, path: int) -> CapturedStep:
         r = self.runner
-        metadata = r.buffers.metadata_view(batch_size, batch_size, 1, path)
-        r.forward(batch_size, metadata)  # warm-up: runs the step (kernels compile/autotune outside capture)
+        metadata = r.buffers.metadata_view(shape.tokens, shape.batch, shape.max_query_len, path)
+        r.forward(shape.tokens, metadata)  # warm-up: runs the step (kernels compile/autotune outside capture)
         torch.cuda.synchronize(r.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden = r.forward(batch_size, metadata)
+            hidden = r.forward(shape.tokens, metadata)
         if self._pool is None:
             self._pool = graph.pool()
-        log.debug("captured decode graph: batch %d, fast layers %d, path %d", batch_size, len(r.fast_layers), path)
-        return CapturedStep(batch_size, graph, hidden)
+        log.debug("captured graph: %s, fast layers %d, path %d", shape, len(r.fast_layers), path)
+        return CapturedStep(shape.batch, graph, hidden)

@@ -18,7 +18,7 @@ import torch
 
 from elastiserve.engine.attention_context import AttentionMetadata, PagedAttentionContext, kernel_ops
 from elastiserve.engine.config import EngineConfig
-from elastiserve.engine.graphs import GraphRunner, graph_batch_sizes
+from elastiserve.engine.graphs import GraphRunner, graph_batch_sizes, mixed_seq_buckets, mixed_token_buckets
 from elastiserve.engine.kv_manager import DemoteOp, KVManager, PromoteOp
 from elastiserve.engine.kv_pool import create_kv_pool
 from elastiserve.engine.sampling import SamplingParams
@@ -57,8 +57,10 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._demote_copy_done: object | None = None
         use_graphs = device.type == "cuda" and not config.enforce_eager
-        self.graphs = GraphRunner(self, graph_batch_sizes(config.max_num_seqs), config.graph_capture_after) \
-            if use_graphs else None
+        mixed = (mixed_token_buckets(config.max_num_batched_tokens), mixed_seq_buckets(config.max_num_seqs)) \
+            if config.mixed_graphs else None
+        self.graphs = GraphRunner(self, graph_batch_sizes(config.max_num_seqs), config.graph_capture_after,
+                                  mixed) if use_graphs else None
 
     @property
     def max_model_len(self) -> int:
@@ -116,10 +118,14 @@ class ModelRunner:
     def run(self, inputs: StepInputs, sample: bool = True) -> StepOutput:
         num_seqs = len(inputs.seq_lens)
         is_decode = all(n == 1 for n in inputs.query_lens)
-        padded = self.graphs.padded_size(num_seqs, is_decode) if self.graphs is not None else None
-        if padded is not None:
-            metadata = self.load_inputs(inputs, padded_batch=padded)
-            hidden = self.graphs.run(padded, metadata)[:num_seqs]
+        shape = self.graphs.step_shape(len(inputs.tokens), num_seqs, is_decode) if self.graphs is not None else None
+        if shape is not None and shape.mixed:
+            metadata = self.buffers.load(inputs, padded_batch=shape.batch, padded_tokens=shape.tokens)
+            hidden = self.graphs.run(shape, metadata)
+            last_rows = metadata.query_start_loc[1 : num_seqs + 1] - 1
+        elif shape is not None:
+            metadata = self.load_inputs(inputs, padded_batch=shape.batch)
+            hidden = self.graphs.run(shape, metadata)[:num_seqs]
             last_rows = torch.arange(num_seqs, device=self.device)
         else:
             metadata = self.load_inputs(inputs)

@@ -78,19 +78,27 @@ class InputBuffers:
         self.base_bounds = torch.zeros((b, 2), dtype=torch.int32, device=device)
         self.pair_mode = torch.zeros((b, max_pairs), dtype=torch.uint8, device=device)
 
-    def load(self, inputs: StepInputs, padded_batch: int | None = None) -> AttentionMetadata:
-        """Fill the buffers; ``padded_batch`` pads a decode batch to a captured graph size."""
+    def load(self, inputs: StepInputs, padded_batch: int | None = None,
+             padded_tokens: int | None = None) -> AttentionMetadata:
+        """Fill the buffers; ``padded_batch`` pads a decode batch to a captured graph size. With ``padded_tokens``
+        (a mixed graph, graphs.py) padding rows have no queries and the tokens past the real ones belong to no
+        sequence; the attention grid is then sized for ``padded_tokens`` queries."""
         num_seqs = len(inputs.seq_lens)
         padded = padded_batch or num_seqs
-        pad = padded - num_seqs  # graph padding: one dummy token per row, reading block 0, writing nowhere
+        pad = padded - num_seqs
+        # Decode graph padding: one dummy token per row, reading block 0, writing nowhere. Mixed: none.
+        row_tokens = 1 if padded_tokens is None else 0
         qsl = [0]
-        for n in inputs.query_lens + [1] * pad:
+        for n in inputs.query_lens + [row_tokens] * pad:
             qsl.append(qsl[-1] + n)
-        _fill(self.input_ids, inputs.tokens + [0] * pad)
-        _fill(self.positions, inputs.positions + [0] * pad)
-        _fill(self.slot_mapping, inputs.slots + [-1] * pad)
+        extra = pad * row_tokens if padded_tokens is None else padded_tokens - qsl[-1]
+        if extra < 0:
+            raise ValueError(f"{qsl[-1]} tokens do not fit a step padded to {padded_tokens}")
+        _fill(self.input_ids, inputs.tokens + [0] * extra)
+        _fill(self.positions, inputs.positions + [0] * extra)
+        _fill(self.slot_mapping, inputs.slots + [-1] * extra)
         _fill(self.query_start_loc, qsl)
-        _fill(self.seq_lens, inputs.seq_lens + [1] * pad)
+        _fill(self.seq_lens, inputs.seq_lens + [row_tokens] * pad)
         self.block_tables[:padded].copy_(torch.from_numpy(block_table_array(inputs.block_tables, padded,
                                                                             self.max_blocks)), non_blocking=True)
         path, bounds = choose_path_from_bounds(inputs.base_bounds)
@@ -105,6 +113,8 @@ class InputBuffers:
                 else:
                     modes[i, run[0] : run[1]] = 1
             self.pair_mode[:padded].copy_(modes, non_blocking=True)
+        if padded_tokens is not None:
+            return self.metadata_view(padded_tokens, padded, padded_tokens, path)
         return self.metadata_view(qsl[-1], padded, max(inputs.query_lens), path)
 
     def metadata_view(self, num_tokens: int, num_seqs: int, max_query_len: int, path: int) -> AttentionMetadata:

@@ -1,0 +1,56 @@
+"""CUDA only: with ``EngineConfig.mixed_graphs`` the steps that carry prefill chunks replay captured graphs padded to
+token and sequence buckets, and their hidden states match the eager unpadded steps'. Written in session 7 without
+a GPU to run it on: the next GPU session runs it first (ci/gpu/README.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import random_fp16_model, small_llama_config
+
+from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.graphs import StepShape
+from elastiserve.engine.llm_engine import LLMEngine
+from elastiserve.engine.sampling import SamplingParams
+
+pytestmark = [pytest.mark.cuda]
+
+
+def tiny_engine(device, mixed_graphs: bool) -> LLMEngine:
+    model = random_fp16_model(small_llama_config(2, 512), device=str(device))
+    options = dict(model="tiny", device="cuda", block_size=16, max_num_seqs=16, max_num_batched_tokens=300,
+                   max_model_len=512, kv_cache_budget=16 << 20, graph_capture_after=1, mixed_graphs=mixed_graphs)
+    return LLMEngine(EngineConfig(**options), model=model, eos_token_ids=())
+
+
+def test_mixed_graph_replays_equal_the_eager_steps(device):
+    """Every step that carries a prefill chunk is run twice: eagerly, unpadded, and from its padded graph; the
+    last-token hidden states agree within fp16 tolerance (the graph's attention grid and query tile are sized for
+    the token bucket, so it may sum in another order)."""
+    engine = tiny_engine(device, mixed_graphs=True)
+    runner = engine.runner
+    checked = []
+    run = runner.run
+
+    def run_and_compare(inputs, sample=True):
+        num_seqs, num_tokens = len(inputs.seq_lens), len(inputs.tokens)
+        shape = runner.graphs.step_shape(num_tokens, num_seqs, is_decode=all(n == 1 for n in inputs.query_lens))
+        if shape is not None and shape.mixed:
+            meta = runner.buffers.load(inputs)
+            eager = runner.forward(num_tokens, meta)[meta.query_start_loc[1:] - 1].clone()
+            meta = runner.buffers.load(inputs, padded_batch=shape.batch, padded_tokens=shape.tokens)
+            graphed = runner.graphs.run(shape, meta)[meta.query_start_loc[1 : num_seqs + 1] - 1]
+            torch.testing.assert_close(graphed, eager, atol=2e-3, rtol=2e-3)
+            checked.append(shape)
+        return run(inputs, sample)
+
+    runner.run = run_and_compare
+    try:
+        prompts = [list(range(1, 40)), list(range(3, 260)), list(range(5, 12)), list(range(2, 190))]
+        results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        mixed_keys = [key for key in runner.graphs.graphs if key[0].mixed]
+    finally:
+        engine.close()
+    assert [len(r.token_ids) for r in results] == [12] * 4
+    assert checked and mixed_keys and all(key[0].tokens >= 256 for key in mixed_keys)
+    assert all(isinstance(shape, StepShape) and shape.batch >= 16 for shape in checked)
