@@ -49,6 +49,8 @@ def kv_pool_bytes(config: EngineConfig, model: torch.nn.Module, device: torch.de
     # Peak activations of one step (fp16): hidden states and the widest projection outputs, plus fp32 logits.
     activation = tokens * 2 * (4 * mc.hidden_size + 3 * max(mc.intermediate_size, mc.q_size + 2 * mc.kv_size))
     activation += config.max_num_seqs * mc.vocab_size * 4 * 2
+    if config.mixed_graphs:  # the graphs' private pool holds a step's activations beside the eager steps' cache
+        activation *= 2
     kv_bytes = _agree_across_ranks(int(cap - used - activation))
     if kv_bytes < 2 * block_bytes:
         raise ConfigError(f"the memory budget leaves {kv_bytes / 2**20:.0f} MiB for the KV cache: too little")
