@@ -40,7 +40,6 @@ import torch
 
 from elastiserve.engine.bench.results import git_commit
 from elastiserve.engine.config import POLICIES, EngineConfig
-from elastiserve.engine.graphs import StepShape
 from elastiserve.engine.llm_engine import LLMEngine
 from elastiserve.engine.runner import ModelRunner, StepInputs
 from elastiserve.engine.sampling import SamplingParams
@@ -159,17 +158,17 @@ def first_rows(inputs: StepInputs, n: int) -> StepInputs:
 def decode_step_fn(runner: ModelRunner, inputs: StepInputs, with_logits: bool = True):
     """One decode step (graph replay on a GPU, eager forward elsewhere) in the runner's current mode."""
     n = len(inputs.seq_lens)
-    padded = runner.graphs.padded_size(n, True) if runner.graphs is not None else None
+    shape = runner.graphs.step_shape(n, n, is_decode=True) if runner.graphs is not None else None
     with torch.inference_mode():
-        metadata = runner.load_inputs(inputs, padded_batch=padded)
-        captured = runner.graphs.get(padded, metadata.path) if padded is not None else None
+        metadata = runner.load_inputs(inputs, shape)
+        captured = runner.graphs.get(shape, metadata.path) if shape is not None else None
 
     @torch.inference_mode()
     def step():
         hidden = captured.replay()[:n] if captured is not None else runner.forward(n, metadata)
         return runner.model.compute_logits(hidden) if with_logits else hidden
 
-    return step, padded or n
+    return step, shape.batch if shape is not None else n
 
 
 def time_modes(engine: LLMEngine, inputs: StepInputs, batches: list[int], modes: dict[str, frozenset[int]],
@@ -230,9 +229,8 @@ def run_switch(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     seqs = [engine.scheduler.find(rid) for rid in ids]
     preempt0 = engine.scheduler.num_preemptions
     graphs = engine.runner.graphs
-    padded = graphs.padded_size(len(ids), True) if graphs is not None else None
-    fast_graph_ready = graphs is not None and any(k[0] == StepShape(padded, padded) and k[1] == plan[1]
-                                                  for k in graphs.graphs)
+    shape = graphs.step_shape(len(ids), len(ids), is_decode=True) if graphs is not None else None
+    fast_graph_ready = graphs is not None and any(k[0] == shape and k[1] == plan[1] for k in graphs.graphs)
     records, problems, late = [], [], []
     for phase, layers in enumerate(plan):
         engine.force_fast_layers(layers)

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from elastiserve.control.step_model import padded_batch
 from elastiserve.engine.config import EngineConfig
-from elastiserve.engine.graphs import GraphRunner, StepShape, mixed_seq_buckets, mixed_token_buckets
+from elastiserve.engine.graphs import GraphRunner, StepShape, graph_batch_sizes, mixed_seq_buckets, mixed_token_buckets
 from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu]
@@ -41,40 +42,40 @@ def graph_runner(capture_after: int) -> tuple[GraphRunner, StubRunner, list]:
 def test_a_new_key_runs_eagerly_until_its_nth_use_then_replays():
     graphs, runner, captures = graph_runner(capture_after=3)
     meta = SimpleNamespace(path=0)
-    assert graphs.run(4, meta) == ("eager", 4)
-    assert graphs.run(4, meta) == ("eager", 4)
+    assert graphs.run(StepShape(4, 4), meta) == ("eager", 4)
+    assert graphs.run(StepShape(4, 4), meta) == ("eager", 4)
     assert captures == []
-    assert graphs.run(4, meta) == ("replay", 4, 0)  # third use: captured and replayed
-    assert graphs.run(4, meta) == ("replay", 4, 0)
+    assert graphs.run(StepShape(4, 4), meta) == ("replay", 4, 0)  # third use: captured and replayed
+    assert graphs.run(StepShape(4, 4), meta) == ("replay", 4, 0)
     assert captures == [(4, frozenset(), 0)]
     assert len(runner.forwards) == 2
 
 
 def test_uses_are_counted_per_mix_size_and_path():
     graphs, runner, captures = graph_runner(capture_after=2)
-    graphs.run(2, SimpleNamespace(path=0))
+    graphs.run(StepShape(2, 2), SimpleNamespace(path=0))
     runner.fast_layers = frozenset({0, 1})  # a new per-layer mix starts its own count
-    graphs.run(2, SimpleNamespace(path=0))
-    graphs.run(2, SimpleNamespace(path=1))
+    graphs.run(StepShape(2, 2), SimpleNamespace(path=0))
+    graphs.run(StepShape(2, 2), SimpleNamespace(path=1))
     assert captures == []
-    graphs.run(2, SimpleNamespace(path=0))
+    graphs.run(StepShape(2, 2), SimpleNamespace(path=0))
     assert captures == [(2, frozenset({0, 1}), 0)]
     runner.fast_layers = frozenset()
-    graphs.run(2, SimpleNamespace(path=0))
+    graphs.run(StepShape(2, 2), SimpleNamespace(path=0))
     assert captures[-1] == (2, frozenset(), 0)
 
 
 def test_keys_captured_before_serving_replay_at_first_use():
     graphs, runner, captures = graph_runner(capture_after=8)
     for size in graphs.sizes:  # the warm-up captures through get(), not through the gate
-        graphs.get(size, 0)
-    assert graphs.run(1, SimpleNamespace(path=0)) == ("replay", 1, 0)
+        graphs.get(StepShape(size, size), 0)
+    assert graphs.run(StepShape(1, 1), SimpleNamespace(path=0)) == ("replay", 1, 0)
     assert runner.forwards == [] and len(captures) == 3
 
 
 def test_capture_after_one_is_capture_at_first_use():
     graphs, runner, captures = graph_runner(capture_after=1)
-    assert graphs.run(1, SimpleNamespace(path=2)) == ("replay", 1, 2)
+    assert graphs.run(StepShape(1, 1), SimpleNamespace(path=2)) == ("replay", 1, 2)
     assert runner.forwards == [] and captures == [(1, frozenset(), 2)]
 
 
@@ -94,5 +95,14 @@ def test_mixed_steps_pad_to_token_and_sequence_buckets_only_when_enabled():
     assert shape == StepShape(1024, 16, mixed=True) and shape.max_query_len == 1024
     assert graphs.step_shape(2113, 3, is_decode=False) is None and graphs.step_shape(8, 65, is_decode=False) is None
     assert graphs.run(shape, SimpleNamespace(path=0)) == ("replay", 16, 0)
-    assert graphs.run(4, SimpleNamespace(path=0)) == ("replay", 4, 0)  # a decode graph of 4 is another key
+    # a decode graph of 4 is another key
+    assert graphs.run(StepShape(4, 4), SimpleNamespace(path=0)) == ("replay", 4, 0)
     assert len(captures) == 2
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 7, 48, 100, 256])
+def test_the_simulator_pads_decode_steps_as_the_engine_does(max_num_seqs):
+    """``control.step_model.padded_batch`` mirrors ``graph_batch_sizes`` (the control package cannot import torch)."""
+    graphs = GraphRunner(StubRunner(), graph_batch_sizes(max_num_seqs))
+    for n in range(1, max_num_seqs + 1):
+        assert padded_batch(n, max_num_seqs) == graphs.step_shape(n, n, is_decode=True).batch

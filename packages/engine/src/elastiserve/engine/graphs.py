@@ -46,22 +46,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 MIXED_MIN_TOKENS = 256  # smallest token bucket of a mixed step
 
 
-def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from MIXED_MIN_TOKENS, then the step's token budget itself."""
-    sizes, size = [], MIXED_MIN_TOKENS
-    while size < max_num_batched_tokens:
+def _doublings(start: int, top: int) -> list[int]:
+    """start, 2 x start, ... below ``top``, then ``top`` itself."""
+    sizes, size = [], start
+    while size < top:
         sizes.append(size)
         size *= 2
-    return [*sizes, max_num_batched_tokens]
+    return [*sizes, top]
+
+
+def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from MIXED_MIN_TOKENS, then the step's token budget itself."""
+    return _doublings(MIXED_MIN_TOKENS, max_num_batched_tokens)
 
 
 def mixed_seq_buckets(max_num_seqs: int) -> list[int]:
     """Powers of two from 16 (a mixed graph's attention grid grows with its sequences), then ``max_num_seqs``."""
-    sizes, size = [], 16
-    while size < max_num_seqs:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_num_seqs]
+    return _doublings(16, max_num_seqs)
 
 
 def _bucket(sizes: list[int], n: int) -> int | None:
@@ -108,12 +109,6 @@ class GraphRunner:
         self._uses: Counter[GraphKey] = Counter()
         self._pool: Any = None
 
-    def padded_size(self, num_seqs: int, is_decode: bool) -> int | None:
-        """The captured size a decode-only batch pads to; None for prefill steps or batches beyond the largest."""
-        if not is_decode:
-            return None
-        return _bucket(self.sizes, num_seqs)
-
     def step_shape(self, num_tokens: int, num_seqs: int, is_decode: bool) -> StepShape | None:
         """The padded shape a step replays a graph of, or None when it runs eagerly."""
         if is_decode:
@@ -124,11 +119,9 @@ class GraphRunner:
         tokens, batch = _bucket(self.mixed_buckets[0], num_tokens), _bucket(self.mixed_buckets[1], num_seqs)
         return StepShape(tokens, batch, mixed=True) if tokens is not None and batch is not None else None
 
-    def run(self, shape: StepShape | int, metadata: Any) -> torch.Tensor:
-        """The hidden states of a padded step whose inputs are loaded (``shape``: a StepShape, or a decode batch
-        size): a replay of its graph, or an eager forward on the same inputs while the key has been used fewer than
-        ``capture_after`` times."""
-        shape = StepShape(shape, shape) if isinstance(shape, int) else shape
+    def run(self, shape: StepShape, metadata: Any) -> torch.Tensor:
+        """The hidden states of a padded step whose inputs are loaded: a replay of its graph, or an eager forward on
+        the same inputs while the key has been used fewer than ``capture_after`` times."""
         key = (shape, self.runner.fast_layers, metadata.path)
         step = self.graphs.get(key)
         if step is None:
@@ -139,8 +132,7 @@ class GraphRunner:
             step = self.get(shape, metadata.path)
         return step.replay()
 
-    def get(self, shape: StepShape | int, path: int) -> CapturedStep:
-        shape = StepShape(shape, shape) if isinstance(shape, int) else shape
+    def get(self, shape: StepShape, path: int) -> CapturedStep:
         key = (shape, self.runner.fast_layers, path)
         step = self.graphs.get(key)
         if step is None:
@@ -154,7 +146,7 @@ class GraphRunner:
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its pool
             for path in paths:
                 self.runner.buffers.reset_for_capture(size)
-                self.get(size, path)
+                self.get(StepShape(size, size), path)
 
     def _capture(self, shape: StepShape, path: int) -> CapturedStep:
         r = self.runner

@@ -18,7 +18,13 @@ import torch
 
 from elastiserve.engine.attention_context import AttentionMetadata, PagedAttentionContext, kernel_ops
 from elastiserve.engine.config import EngineConfig
-from elastiserve.engine.graphs import GraphRunner, graph_batch_sizes, mixed_seq_buckets, mixed_token_buckets
+from elastiserve.engine.graphs import (
+    GraphRunner,
+    StepShape,
+    graph_batch_sizes,
+    mixed_seq_buckets,
+    mixed_token_buckets,
+)
 from elastiserve.engine.kv_manager import DemoteOp, KVManager, PromoteOp
 from elastiserve.engine.kv_pool import create_kv_pool
 from elastiserve.engine.sampling import SamplingParams
@@ -102,9 +108,11 @@ class ModelRunner:
     def step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
         return gather_step_inputs(batch, kv)
 
-    def load_inputs(self, inputs: StepInputs, padded_batch: int | None = None) -> AttentionMetadata:
-        """Fill the preallocated buffers; ``padded_batch`` pads a decode batch to a captured graph size."""
-        return self.buffers.load(inputs, padded_batch)
+    def load_inputs(self, inputs: StepInputs, shape: StepShape | None = None) -> AttentionMetadata:
+        """Fill the preallocated buffers; ``shape`` pads the step to a captured graph's (``GraphRunner.step_shape``)."""
+        if shape is None:
+            return self.buffers.load(inputs)
+        return self.buffers.load(inputs, padded_batch=shape.batch, padded_tokens=shape.tokens if shape.mixed else None)
 
     def forward(self, num_tokens: int, metadata: AttentionMetadata) -> torch.Tensor:
         self.ctx.metadata = metadata
@@ -119,14 +127,11 @@ class ModelRunner:
         num_seqs = len(inputs.seq_lens)
         is_decode = all(n == 1 for n in inputs.query_lens)
         shape = self.graphs.step_shape(len(inputs.tokens), num_seqs, is_decode) if self.graphs is not None else None
-        if shape is not None and shape.mixed:
-            metadata = self.buffers.load(inputs, padded_batch=shape.batch, padded_tokens=shape.tokens)
+        if shape is not None:
+            metadata = self.load_inputs(inputs, shape)
             hidden = self.graphs.run(shape, metadata)
-            last_rows = metadata.query_start_loc[1 : num_seqs + 1] - 1
-        elif shape is not None:
-            metadata = self.load_inputs(inputs, padded_batch=shape.batch)
-            hidden = self.graphs.run(shape, metadata)[:num_seqs]
-            last_rows = torch.arange(num_seqs, device=self.device)
+            last_rows = metadata.query_start_loc[1 : num_seqs + 1] - 1 if shape.mixed \
+                else torch.arange(num_seqs, device=self.device)
         else:
             metadata = self.load_inputs(inputs)
             hidden = self.forward(metadata.slot_mapping.shape[0], metadata)

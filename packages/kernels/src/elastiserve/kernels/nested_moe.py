@@ -199,7 +199,11 @@ def grouped_gemm_fp16(x_sorted: torch.Tensor, weight: torch.Tensor, expert_offse
     out = torch.empty((x_sorted.shape[0], weight.shape[1]), dtype=torch.float16, device=x_sorted.device)
     if out.shape[0] == 0:
         return out
-    config = replace(config or _grouped_config("plain", out.shape[0], weight.shape), ptx_decode=False)
+    # The plain table has no decode; a caller's config may (the probe passes full-mode tiles).
+    if config is None:
+        config = _grouped_config("plain", out.shape[0], weight.shape)
+    else:
+        config = replace(config, ptx_decode=False)
     return _launch_grouped(x_sorted, x_sorted, weight, weight, expert_offsets, out, 1.0, config, PLAIN, 0, False)
 
 
