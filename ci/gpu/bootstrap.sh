@@ -24,3 +24,20 @@ test_cuda_on_gpu0() {  # LIMIT
   (time CUDA_VISIBLE_DEVICES=0 timeout "$1" nox -s test-cuda) > $OUT/test-cuda.log 2>&1
   tail -3 $OUT/test-cuda.log
 }
+
+# The MoE headline at full Azure lengths (Qwen3-30B-A3B shapes, 80 GB budget, Gamma CV 2, 400 requests, 4 / 8 / 12
+# req/s, each point cut at 60 s, one T_base for every policy: T_BASE, 24.65 ms unless set) on GPU $1 within $2
+# seconds, into $OUT/moe and $OUT/moe-gpu$1.log; the other arguments go to headline.py (--policies,
+# --max-num-batched-tokens, ...).
+moe_headline() {  # GPU LIMIT [headline.py arguments...]
+  local gpu=$1 limit=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout $limit python3 benchmarks/serving/headline.py --setting moe --requests 400 \
+    --rate 4 --rate 8 --rate 12 --max-duration 60 --t-base ${T_BASE:-0.02465} --no-progress --out $OUT/moe "$@" \
+    > $OUT/moe-gpu$gpu.log 2>&1
+}
+
+# The MoE table of everything under $OUT/moe, into $OUT/moe-table.txt and the log.
+moe_table() {
+  python3 benchmarks/serving/headline.py --setting moe --out $OUT/moe --summarize > $OUT/moe-table.txt 2>&1
+  cat $OUT/moe-table.txt
+}

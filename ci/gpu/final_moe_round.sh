@@ -10,10 +10,7 @@ source ci/gpu/bootstrap.sh
 set +e
 install_packages
 nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
-T_BASE=${T_BASE:-0.02465}
-(CUDA_VISIBLE_DEVICES=1 timeout 565 python3 benchmarks/serving/headline.py --setting moe --requests 400 \
-  --rate 4 --rate 8 --rate 12 --max-duration 60 --max-num-batched-tokens 2048 --t-base $T_BASE \
-  --policies static-fp16 dps --no-progress --out $OUT/moe > $OUT/moe-gpu1.log 2>&1) &
+moe_headline 1 565 --max-num-batched-tokens 2048 --policies static-fp16 dps &
 sleep 3
 test_cuda_on_gpu0 420  # 330 s was not enough beside the MoE run (session 7)
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/serving/headline.py --setting dense --requests 200 \
@@ -27,8 +24,7 @@ python3 benchmarks/control/fit_kv_read.py $OUT/dense --target-runs benchmarks/se
   benchmarks/serving/results/dense-paper-run1 > $OUT/kv-read-fit.txt 2>&1
 cat $OUT/dense-table.txt; grep -i "base_read_fraction\|base_step\|demote_batch" $OUT/kv-read-fit.txt
 wait
-python3 benchmarks/serving/headline.py --setting moe --out $OUT/moe --summarize > $OUT/moe-table.txt 2>&1
-cat $OUT/moe-table.txt
+moe_table
 # At most 8 files come back (session 7 lost the suite's log and both runs' JSON to a tenth file): pack the rest.
 tar czf $OUT/runs.tgz -C $OUT moe moe-gpu1.log dense dense-elastickv.log mixed-step-profile.log \
   && rm -rf $OUT/moe $OUT/dense $OUT/moe-gpu1.log $OUT/dense-elastickv.log $OUT/mixed-step-profile.log

@@ -9,10 +9,7 @@ source ci/gpu/bootstrap.sh
 set +e
 install_packages
 nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
-T_BASE=${T_BASE:-0.02465}
-(CUDA_VISIBLE_DEVICES=1 timeout 570 python3 benchmarks/serving/headline.py --setting moe --requests 400 \
-  --rate 4 --rate 8 --rate 12 --max-duration 60 --max-num-batched-tokens 2048 --mixed-graphs --t-base $T_BASE \
-  --policies static-fp16 dps --no-progress --out $OUT/moe > $OUT/moe-gpu1.log 2>&1) &
+moe_headline 1 570 --max-num-batched-tokens 2048 --mixed-graphs --policies static-fp16 dps &
 sleep 3
 test_cuda_on_gpu0 420
 (cd benchmarks/engine && CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 profile_mixed_step.py \
@@ -21,8 +18,7 @@ test_cuda_on_gpu0 420
   > $OUT/mixed-step-profile.log 2>&1)
 grep -v "^USDT\|profiler_st" $OUT/mixed-step-profile.log | tail -4
 wait
-python3 benchmarks/serving/headline.py --setting moe --out $OUT/moe --summarize > $OUT/moe-table.txt 2>&1
-cat $OUT/moe-table.txt
+moe_table
 # At most 8 files come back: gpus.txt, test-cuda.log, mixed-step-profile.json, moe-table.txt and this tarball.
 tar czf $OUT/runs.tgz -C $OUT moe moe-gpu1.log mixed-step-profile.log \
   && rm -rf $OUT/moe $OUT/moe-gpu1.log $OUT/mixed-step-profile.log

@@ -11,19 +11,11 @@ source ci/gpu/bootstrap.sh
 set +e
 install_packages
 nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
-T_BASE=${T_BASE:-0.02465}
-moe() {  # GPU, policies...
-  local gpu=$1; shift
-  CUDA_VISIBLE_DEVICES=$gpu timeout 560 python3 benchmarks/serving/headline.py --setting moe --requests 400 \
-    --rate 4 --rate 8 --rate 12 --max-duration 60 --max-num-batched-tokens ${CHUNK:-1024} --t-base $T_BASE \
-    --policies "$@" --no-progress --out $OUT/moe > $OUT/moe-gpu$gpu.log 2>&1
-}
 (CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q --device=cuda -p no:cacheprovider \
   tests/kernels/test_nested_moe_cuda.py > $OUT/moe-kernel-tests.log 2>&1) &
-moe 0 static-fp16 combined &
+moe_headline 0 560 --max-num-batched-tokens ${CHUNK:-1024} --policies static-fp16 combined &
 sleep 5
-moe 1 dps elastickv
+moe_headline 1 560 --max-num-batched-tokens ${CHUNK:-1024} --policies dps elastickv
 wait
-python3 benchmarks/serving/headline.py --setting moe --out $OUT/moe --summarize > $OUT/moe-table.txt 2>&1
-cat $OUT/moe-table.txt
+moe_table
 tar czf $OUT/moe.tgz -C $OUT moe moe-gpu0.log moe-gpu1.log moe-kernel-tests.log && rm -rf $OUT/moe
