@@ -36,9 +36,9 @@ def test_mixed_graph_replays_equal_the_eager_steps(device):
         num_seqs, num_tokens = len(inputs.seq_lens), len(inputs.tokens)
         shape = runner.graphs.step_shape(num_tokens, num_seqs, is_decode=all(n == 1 for n in inputs.query_lens))
         if shape is not None and shape.mixed:
-            meta = runner.buffers.load(inputs)
+            meta = runner.load_inputs(inputs)
             eager = runner.forward(num_tokens, meta)[meta.query_start_loc[1:] - 1].clone()
-            meta = runner.buffers.load(inputs, padded_batch=shape.batch, padded_tokens=shape.tokens)
+            meta = runner.load_inputs(inputs, shape)
             graphed = runner.graphs.run(shape, meta)[meta.query_start_loc[1 : num_seqs + 1] - 1]
             torch.testing.assert_close(graphed, eager, atol=2e-3, rtol=2e-3)
             checked.append(shape)
@@ -46,7 +46,8 @@ def test_mixed_graph_replays_equal_the_eager_steps(device):
 
     runner.run = run_and_compare
     try:
-        prompts = [list(range(1, 40)), list(range(3, 260)), list(range(5, 12)), list(range(2, 190))]
+        # The model has 97 tokens; the lengths make a step of 257 + 39 + 7 tokens and ragged later chunks.
+        prompts = [[(7 * i + start) % 97 for i in range(n)] for start, n in ((1, 39), (3, 257), (5, 7), (2, 188))]
         results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         mixed_keys = [key for key in runner.graphs.graphs if key[0].mixed]
     finally:
