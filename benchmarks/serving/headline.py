@@ -26,6 +26,7 @@ import argparse
 import gc
 import gzip
 import json
+import logging
 import random
 import statistics
 import sys
@@ -311,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("elastiserve.engine.runner").setLevel(logging.INFO)  # warm-up and capture times
     threads = torch.get_num_threads()
     if args.device == "cpu":
         torch.set_num_threads(1)  # tiny CPU smoke runs: intra-op threads only add spin-wait on a shared machine

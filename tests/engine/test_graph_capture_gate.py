@@ -90,9 +90,10 @@ def test_mixed_steps_pad_to_token_and_sequence_buckets_only_when_enabled():
     assert graphs.step_shape(3, 3, is_decode=True) == StepShape(4, 4)
     assert graphs.step_shape(5, 5, is_decode=True) is None  # beyond the largest decode graph
     graphs.mixed_buckets = (mixed_token_buckets(2112), mixed_seq_buckets(64))
-    assert mixed_token_buckets(2112) == [256, 512, 1024, 2048, 2112] and mixed_seq_buckets(64) == [16, 32, 64]
+    assert mixed_token_buckets(2112) == [256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2112]
+    assert mixed_seq_buckets(64) == [16, 32, 64]
     shape = graphs.step_shape(700, 3, is_decode=False)
-    assert shape == StepShape(1024, 16, mixed=True) and shape.max_query_len == 1024
+    assert shape == StepShape(768, 16, mixed=True) and shape.max_query_len == 768
     assert graphs.step_shape(2113, 3, is_decode=False) is None and graphs.step_shape(8, 65, is_decode=False) is None
     assert graphs.run(shape, SimpleNamespace(path=0)) == ("replay", 16, 0)
     # a decode graph of 4 is another key
@@ -106,3 +107,33 @@ def test_the_simulator_pads_decode_steps_as_the_engine_does(max_num_seqs):
     graphs = GraphRunner(StubRunner(), graph_batch_sizes(max_num_seqs))
     for n in range(1, max_num_seqs + 1):
         assert padded_batch(n, max_num_seqs) == graphs.step_shape(n, n, is_decode=True).batch
+
+
+@pytest.mark.parametrize("budget", [300, 2048, 2112, 8192, 16384])
+def test_mixed_token_buckets_pad_by_at_most_255_tokens_or_a_quarter(budget):
+    buckets = mixed_token_buckets(budget)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == budget and buckets[0] == min(256, budget)
+    for tokens in range(1, budget + 1, 37):
+        padded = next(b for b in buckets if b >= tokens)
+        assert padded - tokens <= max(255, tokens // 4), (tokens, padded)
+
+
+class RecordingBuffers:
+    def __init__(self):
+        self.resets = []
+
+    def reset_for_capture(self, num_tokens, num_seqs):
+        self.resets.append((num_tokens, num_seqs))
+
+
+def test_warm_up_captures_every_mixed_bucket_on_the_native_path_largest_first():
+    graphs, runner, captures = graph_runner(capture_after=8)
+    runner.buffers = RecordingBuffers()
+    graphs.mixed_buckets = ([256, 512, 600], [16, 32])
+    graphs.capture_common(paths=(0, 3))
+    mixed = [(600, 32), (600, 16), (512, 32), (512, 16), (256, 32), (256, 16)]
+    decode = [(4, 4), (4, 4), (2, 2), (2, 2), (1, 1), (1, 1)]
+    assert runner.buffers.resets == mixed + decode
+    assert [c[2] for c in captures] == [0] * 6 + [0, 3] * 3  # mixed graphs on the native path only
+    shape = graphs.step_shape(300, 20, is_decode=False)
+    assert graphs.run(shape, SimpleNamespace(path=0)) == ("replay", 32, 0) and runner.forwards == []

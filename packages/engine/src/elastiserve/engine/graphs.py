@@ -17,8 +17,11 @@ bucket (``mixed_token_buckets``, ``mixed_seq_buckets``) and replays a graph of t
 same gate. Its padding tokens belong to no sequence (slot -1, so nothing is written; attention leaves their rows
 unset and every other op is row-wise) and its padding sequences have no queries; attention's grid is sized by the
 token bucket (``max_query_len``), as an eager step of a chunk that long sizes it. Eagerly, such a MoE step took
-86-94 ms of host time whatever its chunk (benchmarks/engine/results/h200-mixed-step-profile-run1.*); the graphs
-are not yet measured on a GPU, so the option is off by default.
+86-94 ms of host time whatever its chunk (benchmarks/engine/results/h200-mixed-step-profile-run1.*); from graphs
+51 / 75 / 83 ms for chunks of 512 / 1,024 / 2,048 tokens (run2, power-of-two buckets then). Captured lazily
+mid-run, the MoE headline's steps of 200-250 ms (one capture each) broke the TBT bound of half of static-fp16's
+requests at 4 req/s (benchmarks/serving/results/moe-mixed-graphs-run1), so the native path's mixed graphs are now
+captured before serving, with the decode graphs.
 """
 
 from __future__ import annotations
@@ -56,8 +59,20 @@ def _doublings(start: int, top: int) -> list[int]:
 
 
 def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from MIXED_MIN_TOKENS, then the step's token budget itself."""
-    return _doublings(MIXED_MIN_TOKENS, max_num_batched_tokens)
+    """256 and 512, then steps of a quarter of the power of two below (256 up to 2,048, 512 up to 4,096, ...), then
+    the step's token budget itself: at most 255 padding tokens, or a quarter of the step above 1,024.
+
+    Padding is not free. A 1,024-token chunk beside a decode batch of 64 is a 1,088-token step; padded to the next
+    power of two, 2,048, it took 75 ms from its graph on the H200 against 83 ms for a real 2,048-token chunk (static
+    fp16 Qwen3-30B-A3B, benchmarks/engine/results/h200-mixed-step-profile-run2), and its padding rows also route
+    through the MoE: all to the same eight experts, since they are one token at one position."""
+    sizes = [s for s in (MIXED_MIN_TOKENS, 2 * MIXED_MIN_TOKENS) if s < max_num_batched_tokens]
+    size = 2 * MIXED_MIN_TOKENS
+    while True:
+        size += max(MIXED_MIN_TOKENS, (1 << (size.bit_length() - 1)) // 4)
+        if size >= max_num_batched_tokens:
+            return [*sizes, max_num_batched_tokens]
+        sizes.append(size)
 
 
 def mixed_seq_buckets(max_num_seqs: int) -> list[int]:
@@ -141,12 +156,18 @@ class GraphRunner:
         return step
 
     def capture_common(self, paths: tuple[int, ...] = (0,)) -> None:
-        """Capture the decode graph of every size on each attention path in the runner's current mode, with inputs
-        that write nothing."""
-        for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its pool
-            for path in paths:
-                self.runner.buffers.reset_for_capture(size)
-                self.get(StepShape(size, size), path)
+        """Capture the decode graph of every size on each attention path in the runner's current mode, and with mixed
+        buckets the mixed graph of every (tokens, sequences) bucket on the first path (the native one: a mixed
+        step next to BASE pairs is rarer, and waits for ``capture_after`` uses), all with inputs that write
+        nothing. Largest first, so that smaller graphs fit in its pool."""
+        shapes = [(StepShape(size, size), path) for size in reversed(self.sizes) for path in paths]
+        if self.mixed_buckets is not None:
+            token_buckets, seq_buckets = self.mixed_buckets
+            shapes = [(StepShape(t, b, mixed=True), paths[0]) for t in reversed(token_buckets)
+                      for b in reversed(seq_buckets) if b <= t] + shapes
+        for shape, path in shapes:
+            self.runner.buffers.reset_for_capture(shape.tokens, shape.batch)
+            self.get(shape, path)
 
     def _capture(self, shape: StepShape, path: int) -> CapturedStep:
         r = self.runner

@@ -249,7 +249,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.capture_graphs()
         if self.graphs is not None:
-            log.info("warm-up: %d decode graphs captured in %.1f s", len(self.graphs.graphs),
+            log.info("warm-up: %d graphs captured in %.1f s", len(self.graphs.graphs),
                      time.perf_counter() - start)
 
     def warm_up_shapes(self) -> list[WarmUpShape]:
@@ -267,8 +267,9 @@ class ModelRunner:
         self.set_fast_layers(before)
 
     def capture_graphs(self) -> None:
-        """Capture, before serving, the decode graphs the policy reaches without per-layer mixes: every batch size
-        on each attention path the policy uses, in each of its whole-model modes (``warmup.mode_sets``). A graph
+        """Capture, before serving, the graphs the policy reaches without per-layer mixes: every decode batch size
+        on each attention path the policy uses (and every mixed bucket on the native path, with ``mixed_graphs``),
+        in each of its whole-model modes (``warmup.mode_sets``). A graph
         first met mid-run is captured, and its kernels compiled, inside somebody's step. Per-layer mixes (combined
         with layer granularity) are still captured when first used."""
         if self.graphs is None:

@@ -140,14 +140,17 @@ class InputBuffers:
         self.base_bounds[:1].zero_()
         self.pair_mode[:1].zero_()
 
-    def reset_for_capture(self, size: int) -> None:
-        """Inputs that write nothing, for capturing a decode graph of ``size`` rows."""
-        self.slot_mapping[:size].fill_(-1)
-        self.seq_lens[:size].fill_(1)
-        self.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
-        self.block_tables[:size].zero_()
-        self.base_bounds[:size].zero_()  # structured path: no BASE range
-        self.pair_mode[:size].zero_()  # general path: every pair TARGET
+    def reset_for_capture(self, num_tokens: int, num_seqs: int) -> None:
+        """Inputs that write nothing, for capturing a graph of ``num_tokens`` rows and ``num_seqs`` sequences: one
+        token per sequence reading block 0; the tokens past them (a mixed graph's) belong to no sequence."""
+        self.slot_mapping[:num_tokens].fill_(-1)
+        self.input_ids[:num_tokens].zero_()
+        self.positions[:num_tokens].zero_()
+        self.seq_lens[:num_seqs].fill_(1)
+        self.query_start_loc[: num_seqs + 1].copy_(torch.arange(num_seqs + 1, dtype=torch.int32))
+        self.block_tables[:num_seqs].zero_()
+        self.base_bounds[:num_seqs].zero_()  # structured path: no BASE range
+        self.pair_mode[:num_seqs].zero_()  # general path: every pair TARGET
 
 
 def block_table_array(rows: list[list[int]], num_rows: int, width: int) -> np.ndarray:
