@@ -161,6 +161,8 @@ def engine_settings(cfg: Setting, args: argparse.Namespace) -> dict[str, Any]:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.mixed_graphs:
         settings["mixed_graphs"] = True
+    if args.max_step_time:
+        settings["max_step_time_s"] = args.max_step_time
     if args.device != "cpu":  # the CPU pool is sized by cpu_kv_blocks
         settings["kv_cache_budget"] = cfg.kv_cache_budget
         settings["gpu_memory_budget"] = cfg.gpu_memory_budget
@@ -287,6 +289,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, action="append", default=None, help="moe: req/s, repeat for a sweep")
     p.add_argument("--mixed-graphs", action="store_true",
                    help="steps that carry prefill chunks replay CUDA graphs too (EngineConfig.mixed_graphs)")
+    p.add_argument("--max-step-time", type=float, default=None,
+                   help="seconds: cap prefill chunks per precision mode to keep steps under it "
+                        "(EngineConfig.max_step_time_s; e.g. 0.11 under the joint SLO's 5 x T_base)")
     p.add_argument("--t-base", type=float, default=None, help="seconds; default: measured in this run (moe)")
     p.add_argument("--max-duration", type=float, default=None, help="stop each sweep point after this many seconds")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -72,6 +72,8 @@ def test_serve_flags_reach_engine_settings():
             "--graph-capture-after",
             "3",
             "--mixed-graphs",
+            "--max-step-time",
+            "0.11",
             "--device",
             "cpu",
         ]
@@ -98,6 +100,7 @@ def test_serve_flags_reach_engine_settings():
         "load_format": "dummy",
         "enforce_eager": True,
         "graph_capture_after": 3,
+        "max_step_time_s": 0.11,
         "mixed_graphs": True,
         "seed": 0,
         "cpu_kv_blocks": 512,

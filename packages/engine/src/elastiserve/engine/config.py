@@ -33,6 +33,9 @@ class EngineConfig:
     # Steps that carry prefill chunks replay graphs too, padded to token and sequence buckets (graphs.py). Off until
     # measured on a GPU: such a step of the MoE engine took 86-94 ms of host time eagerly, whatever its chunk.
     mixed_graphs: bool = False
+    # Cap the tokens of steps that carry prefill chunks so that they take at most this long, per precision mode,
+    # from the engine's recent steps (step_budget.py); None: every step may take max_num_batched_tokens.
+    max_step_time_s: float | None = None
     seed: int = 0
     host_backing_bytes: int | None = None  # host memory for demoted pairs' low bytes; None: as large as the KV pool
     sink_pairs: int = 1  # leading pairs of each sequence never demoted (attention sinks)
@@ -50,7 +53,8 @@ class EngineConfig:
             raise ConfigError(f"block_size={self.block_size}: expected a power of two")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a value in (0, 1]")
-        for name in ("gpu_memory_budget", "kv_cache_budget", "host_backing_bytes", "max_model_len", "tp_timeout_s"):
+        for name in ("gpu_memory_budget", "kv_cache_budget", "host_backing_bytes", "max_model_len", "tp_timeout_s",
+                     "max_step_time_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value}: expected a positive number or None")

@@ -24,6 +24,7 @@ from elastiserve.engine.runner import ModelRunner
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
+from elastiserve.engine.step_budget import StepBudget, StepBudgetConfig
 from elastiserve.engine.tokenizer import StopStringMatcher
 from elastiserve.platforms import ConfigError
 
@@ -86,6 +87,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
         )
+        self.step_budget = None if config.max_step_time_s is None else StepBudget(
+            StepBudgetConfig(config.max_step_time_s, config.max_num_batched_tokens))
         self.policy = policy if policy is not None else _make_policy(config)
         control = getattr(self.policy, "config", None)  # does demotion also make room for queued prompts?
         self._count_admissions = getattr(control, "demand_counts_admissions", True)
@@ -154,6 +157,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
         self._publish_promotions()
+        if self.step_budget is not None:  # before the probe, so that its dry run plans the same step
+            self.scheduler.step_tokens = self.step_budget.tokens(len(self.runner.fast_layers))
         self._apply(self.policy.decide_pressure(self._observe(self._probe())))
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
@@ -163,7 +168,10 @@ class LLMEngine:
         self._sync_mode()
         if batch.is_empty:
             return []
-        out = self.runner.execute(batch, self.kv)
+        start = time.perf_counter()
+        out = self.runner.execute(batch, self.kv)  # ends on the sampled tokens' read-back: device work included
+        if self.step_budget is not None and batch.num_tokens > len(batch.seqs):  # a step with a prefill chunk
+            self.step_budget.record(len(self.runner.fast_layers), batch.num_tokens, time.perf_counter() - start)
         return self._postprocess(batch, out.token_ids)
 
     def _probe(self) -> StepDemand | None:

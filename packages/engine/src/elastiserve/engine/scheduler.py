@@ -73,6 +73,9 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The next step's token budget when the engine caps it below max_num_batched_tokens (step_budget.py);
+        # decodes are never cut, only prefill chunks and admissions.
+        self.step_tokens: int | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -111,6 +114,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     # ---- planning --------------------------------------------------------------------------------------------
+    @property
+    def token_budget(self) -> int:
+        if self.step_tokens is None:
+            return self.max_num_batched_tokens
+        return min(self.step_tokens, self.max_num_batched_tokens)
+
     def _running_order(self) -> list[Sequence]:
         decodes = [s for s in self.running if not s.in_prefill]
         prefills = [s for s in self.running if s.in_prefill]
@@ -118,10 +127,10 @@ class Scheduler:
 
     def dry_run(self) -> StepDemand:
         """Block demand of the next step if nothing were preempted; changes nothing."""
-        budget, blocks, decodes, prefill_tokens = self.max_num_batched_tokens, 0, 0, 0
+        budget, blocks, decodes, prefill_tokens = self.token_budget, 0, 0, 0
         for seq in self._running_order():
             n = 1 if not seq.in_prefill else min(seq.num_uncomputed_tokens, budget)
-            if n == 0:
+            if n <= 0:  # decodes take budget first and may use it all
                 continue
             blocks += self.kv.blocks_needed(seq, n)
             budget -= n
@@ -146,21 +155,22 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        limit = self.token_budget
+        budget = limit
         for seq in self._running_order():
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = 1 if not seq.in_prefill else min(seq.num_uncomputed_tokens, budget)
-            if n == 0:
+            if n <= 0:  # decodes take budget first and may use it all
                 continue
             if seq.in_prefill:
                 n = max(1, self._tokens_that_fit(seq, n))  # shrink a chunk before preempting anyone
             if not self._allocate_or_preempt(seq, n, batch):
-                budget = self.max_num_batched_tokens - batch.num_tokens
+                budget = limit - batch.num_tokens
                 continue
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            budget = self.max_num_batched_tokens - batch.num_tokens
+            budget = limit - batch.num_tokens
         if not batch.preempted:
             self._admit_waiting(batch, budget)
         return batch

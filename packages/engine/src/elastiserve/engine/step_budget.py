@@ -1,0 +1,97 @@
+"""A token budget for steps that carry prefill chunks, so that they stay under a step-time bound: the TBT half of a
+joint SLO, learned from the engine's own recent steps, per precision mode.
+
+Chunked prefill bounds a step by tokens (``max_num_batched_tokens``), but a token costs different time in different
+modes. On the H200 (Qwen3-30B-A3B shapes, 80 GB budget, 2,048-token chunks, mixed-step CUDA graphs; benchmarks/
+serving/results/moe-mixed-graphs-run2) static-fp16 met the DPS joint SLO (max TBT <= 5 x 24.65 ms) for every
+finished request at 4 and 8 req/s, while dps, whose full mode reconstructs fp16 weights from two byte planes, broke
+it for 93 of 214 requests at 4 req/s: its full-mode steps with a whole chunk took 123-135 ms, and each such step
+breaks the TBT bound of every request running through it. Its fast-mode steps never did. Sarathi-Serve sizes its
+token budget from the TBT SLO the same way, offline; here the budget follows the mode the engine is in.
+
+Per mode (the number of fast layers) this keeps the last ``window`` chunk-carrying steps as (tokens, seconds),
+fits seconds = a + b x tokens by least squares, and caps the next step's tokens at (bound - a - margin) / b, where
+the margin is the 90th percentile of the fit's residuals (the bound is on a maximum, not a mean). Below
+``min_samples`` steps, or with no spread in tokens, or a non-positive slope, it does not cap. Plain Python: the
+scheduler side of the engine has no torch in it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from elastiserve.platforms import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudgetConfig:
+    max_step_time_s: float  # the bound: under the SLO's TBT bound (DPS: 5 x T_base)
+    max_tokens: int  # the engine's max_num_batched_tokens: never above it
+    min_tokens: int = 256  # never below it: a floor so that prefill always progresses
+    window: int = 64  # chunk-carrying steps kept per mode
+    min_samples: int = 8  # steps per mode before the budget caps anything
+
+    def __post_init__(self) -> None:
+        if not self.max_step_time_s > 0:
+            raise ConfigError(f"max_step_time_s={self.max_step_time_s}: expected a positive number of seconds")
+        if self.min_tokens < 1 or self.max_tokens < 1:
+            raise ConfigError("min_tokens and max_tokens must be >= 1")
+        if self.min_samples < 2 or self.window < self.min_samples:
+            raise ConfigError(f"window={self.window}, min_samples={self.min_samples}: expected 2 <= min_samples "
+                              "<= window")
+
+
+@dataclass(frozen=True, slots=True)
+class StepFit:
+    intercept_s: float
+    per_token_s: float
+    margin_s: float  # 90th percentile of the residuals, >= 0
+    samples: int
+
+
+class StepBudget:
+    def __init__(self, config: StepBudgetConfig) -> None:
+        self.config = config
+        self._steps: dict[int, deque[tuple[int, float]]] = {}
+        self._fits: dict[int, StepFit | None] = {}
+
+    def record(self, mode: int, tokens: int, seconds: float) -> None:
+        """One chunk-carrying step of ``tokens`` tokens (decodes included) that took ``seconds`` in ``mode``."""
+        steps = self._steps.setdefault(mode, deque(maxlen=self.config.window))
+        steps.append((tokens, seconds))
+        self._fits.pop(mode, None)
+
+    def fit(self, mode: int) -> StepFit | None:
+        if mode not in self._fits:
+            self._fits[mode] = _fit(self._steps.get(mode, ()), self.config.min_samples)
+        return self._fits[mode]
+
+    def tokens(self, mode: int) -> int:
+        """The token budget of the next step in ``mode``."""
+        cfg = self.config
+        fit = self.fit(mode)
+        if fit is None:
+            return cfg.max_tokens
+        room = cfg.max_step_time_s - fit.intercept_s - fit.margin_s
+        tokens = math.floor(room / fit.per_token_s) if room > 0 else 0
+        return max(min(cfg.min_tokens, cfg.max_tokens), min(cfg.max_tokens, tokens))
+
+
+def _fit(steps, min_samples: int) -> StepFit | None:
+    n = len(steps)
+    if n < min_samples:
+        return None
+    mean_x = sum(x for x, _ in steps) / n
+    mean_y = sum(y for _, y in steps) / n
+    var_x = sum((x - mean_x) ** 2 for x, _ in steps)
+    if var_x == 0:
+        return None
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in steps) / var_x
+    if slope <= 0:
+        return None
+    intercept = mean_y - slope * mean_x
+    residuals = sorted(y - (intercept + slope * x) for x, y in steps)
+    margin = max(0.0, residuals[min(n - 1, math.ceil(0.9 * n) - 1)])
+    return StepFit(intercept, slope, margin, n)
