@@ -30,8 +30,9 @@ class EngineConfig:
     load_format: str = "auto"
     enforce_eager: bool = False
     graph_capture_after: int = 8  # a decode graph first needed mid-run is captured at its 8th use (graphs.py)
-    # Steps that carry prefill chunks replay graphs too, padded to token and sequence buckets (graphs.py). Off until
-    # measured on a GPU: such a step of the MoE engine took 86-94 ms of host time eagerly, whatever its chunk.
+    # Steps that carry prefill chunks replay graphs too, padded to token and sequence buckets (graphs.py). On the H200
+    # it took the MoE headline's static-fp16 from 0 to 8 req/s of joint-SLO capacity (BENCHMARKS.md, session 8), but
+    # each engine start captures 60-120 more graphs (17-29 s there) and the dense settings are not measured with it.
     mixed_graphs: bool = False
     # Cap the tokens of steps that carry prefill chunks so that they take at most this long, per precision mode,
     # from the engine's recent steps (step_budget.py); None: every step may take max_num_batched_tokens.

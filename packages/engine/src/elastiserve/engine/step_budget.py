@@ -5,15 +5,16 @@ Chunked prefill bounds a step by tokens (``max_num_batched_tokens``), but a toke
 modes. On the H200 (Qwen3-30B-A3B shapes, 80 GB budget, 2,048-token chunks, mixed-step CUDA graphs; benchmarks/
 serving/results/moe-mixed-graphs-run2) static-fp16 met the DPS joint SLO (max TBT <= 5 x 24.65 ms) for every
 finished request at 4 and 8 req/s, while dps, whose full mode reconstructs fp16 weights from two byte planes, broke
-it for 93 of 214 requests at 4 req/s: its full-mode steps with a whole chunk took 123-135 ms, and each such step
-breaks the TBT bound of every request running through it. Its fast-mode steps never did. Sarathi-Serve sizes its
+it for 93 of 214 requests at 4 req/s: its slowest full-mode steps took 126-135 ms, and each such step breaks the
+TBT bound of every request running through it. Its fast-mode steps never did. Sarathi-Serve sizes its
 token budget from the TBT SLO the same way, offline; here the budget follows the mode the engine is in.
 
 Per mode (the number of fast layers) this keeps the last ``window`` chunk-carrying steps as (tokens, seconds),
 fits seconds = a + b x tokens by least squares, and caps the next step's tokens at (bound - a - margin) / b, where
 the margin is the 90th percentile of the fit's residuals (the bound is on a maximum, not a mean). Below
 ``min_samples`` steps, or with no spread in tokens, or a non-positive slope, it does not cap. Plain Python: the
-scheduler side of the engine has no torch in it.
+scheduler side of the engine has no torch in it. Off by default (``EngineConfig.max_step_time_s``); CPU-tested, not
+yet measured on a GPU.
 """
 
 from __future__ import annotations
