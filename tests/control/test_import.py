@@ -19,6 +19,7 @@ MODULES = [
     "elastiserve.control.precision",
     "elastiserve.control.simulate",
     "elastiserve.control.simulator",
+    "elastiserve.control.step_budget",
     "elastiserve.control.step_model",
     "elastiserve.control.workloads",
 ]

@@ -25,6 +25,7 @@ from elastiserve.control.observation import ALL_LAYERS, Decision, StepObservatio
 from elastiserve.control.pool import KVPoolModel, make_pool
 from elastiserve.control.precision import layers_to_run_fast
 from elastiserve.control.sim_sequence import PromotionInFlight, SimSequence
+from elastiserve.control.step_budget import StepBudget, StepBudgetConfig
 from elastiserve.control.step_model import StepModel, padded_batch
 from elastiserve.control.workloads import Request
 from elastiserve.platforms import ConfigError
@@ -40,6 +41,7 @@ class ReplicaConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     pool: str = "auto"
+    max_step_time_s: float | None = None  # cap prefill chunks to keep steps under it, per mode (step_budget.py)
 
     def __post_init__(self) -> None:
         if self.native_blocks < 1 or self.block_size < 1 or self.blocks_per_unit < 1:
@@ -48,6 +50,8 @@ class ReplicaConfig:
             raise ConfigError("native_blocks must be a whole number of units")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError("need max_num_seqs >= 1 and a token budget of at least one token per sequence")
+        if self.max_step_time_s is not None:
+            StepBudgetConfig(self.max_step_time_s, self.max_num_batched_tokens)  # validates
 
 
 class Replica:
@@ -74,6 +78,8 @@ class Replica:
         self._running_fast: frozenset[int] = frozenset()
         self.h2d_stall_s = 0.0
         self._preempted_now: set[int] = set()
+        self.step_budget = None if rc.max_step_time_s is None else StepBudget(
+            StepBudgetConfig(rc.max_step_time_s, rc.max_num_batched_tokens))
         kv = control.kv  # kv.admission: "free" admits anything the free blocks hold; see control.admission
         self._bound = None if kv.admission == "free" else BaseFloorBound(
             self.pool.total_blocks if control.uses_eviction else self.pool.native_blocks,
@@ -97,7 +103,10 @@ class Replica:
     def _plan(self) -> tuple[int, int, list[tuple[SimSequence, int]]]:
         """Dry run of the scheduler without memory limits: (required blocks, total demand, prefill chunks)."""
         bs = self.rc.block_size
-        required, budget, chunks = 0, self.rc.max_num_batched_tokens, []
+        budget = self.rc.max_num_batched_tokens
+        if self.step_budget is not None:  # the mode of the last step: the engine's choice too
+            budget = self.step_budget.tokens(len(self._running_fast))
+        required, chunks = 0, []
         for seq in self.running:
             if seq.computed >= seq.prefill_target:  # decoding: a new block exactly when the last one is full
                 required += seq.computed >= len(seq.blocks) * bs
@@ -337,6 +346,8 @@ class Replica:
         rows = 0 if prefills else padded_batch(len(decodes), self.rc.max_num_seqs)
         dt = upload_wait + self.sm.step_time(len(decodes) + prefill_tokens, context, base_ctx, fast, demoted, unpacked,
                                              nested=self.control.uses_eviction, padded_rows=rows)
+        if self.step_budget is not None and prefills:
+            self.step_budget.record(fast_layers, len(decodes) + prefill_tokens, dt - upload_wait)
         self.exposure.add(dt, base_read, pairs_read)
         self.modes.add(dt, fast_layers)
         self.h2d_stall_s += upload_wait

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--units-per-layer", type=int, default=32, help="residual units per decoder layer")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-step-time", type=float, default=None,
+                   help="seconds: cap prefill chunks per precision mode to keep steps under it (step_budget.py)")
     p.add_argument("--step-model", type=Path, default=None, help="step-time JSON (default: packaged placeholder)")
     p.add_argument("--trace-dir", type=Path, default=None)
     return p
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> str:
         configs = [c.with_engine_admission() for c in configs]
     sim = SimConfig(
         replica=ReplicaConfig(native_blocks=args.native_blocks, units_per_layer=args.units_per_layer,
-                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_step_time_s=args.max_step_time),
         replicas=args.replicas, router=args.router, max_concurrency=args.max_concurrency,
     )
     step_model = load_step_model(args.step_model)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from elastiserve.control.precision import layers_to_run_fast
+from elastiserve.control.step_budget import StepBudget, StepBudgetConfig
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
 from elastiserve.engine.kv_manager import KVManager
@@ -24,7 +25,6 @@ from elastiserve.engine.runner import ModelRunner
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
-from elastiserve.engine.step_budget import StepBudget, StepBudgetConfig
 from elastiserve.engine.tokenizer import StopStringMatcher
 from elastiserve.platforms import ConfigError
 

@@ -11,10 +11,12 @@ token budget from the TBT SLO the same way, offline; here the budget follows the
 
 Per mode (the number of fast layers) this keeps the last ``window`` chunk-carrying steps as (tokens, seconds),
 fits seconds = a + b x tokens by least squares, and caps the next step's tokens at (bound - a - margin) / b, where
-the margin is the 90th percentile of the fit's residuals (the bound is on a maximum, not a mean). Below
-``min_samples`` steps, or with no spread in tokens, or a non-positive slope, it does not cap. Plain Python: the
-scheduler side of the engine has no torch in it. Off by default (``EngineConfig.max_step_time_s``); CPU-tested, not
-yet measured on a GPU.
+the margin is the largest residual of the fit: the bound is on a maximum, and one step over it breaks the TBT bound
+of every running request. (The simulator's steps are a deterministic function of the step, so there the margin
+hardly matters; a GPU's steps have outliers, and those should shrink the budget.) Below
+``min_samples`` steps, or with no spread in tokens, or a non-positive slope, it does not cap. The engine's scheduler
+(``EngineConfig.max_step_time_s``) and the simulator's replicas (``ReplicaConfig.max_step_time_s``) use this one
+class. Off by default in both; CPU-tested, not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -70,11 +72,19 @@ class StepBudget:
         return self._fits[mode]
 
     def tokens(self, mode: int) -> int:
-        """The token budget of the next step in ``mode``."""
+        """The token budget of the next step in ``mode``. A mode not learned yet borrows the smallest budget of the
+        modes that are: a switch into a new mode would otherwise run ``min_samples`` uncapped steps (in simulation,
+        on the Azure window at 8,192-token chunks and a 25 ms bound, borrowing took combined from 88.8 to 94.9 %
+        joint-SLO attainment and dps from 60.1 to 64.8 %)."""
         cfg = self.config
         fit = self.fit(mode)
         if fit is None:
-            return cfg.max_tokens
+            learned = [self._cap(f) for m in self._steps if m != mode and (f := self.fit(m)) is not None]
+            return min(learned, default=cfg.max_tokens)
+        return self._cap(fit)
+
+    def _cap(self, fit: StepFit) -> int:
+        cfg = self.config
         room = cfg.max_step_time_s - fit.intercept_s - fit.margin_s
         tokens = math.floor(room / fit.per_token_s) if room > 0 else 0
         return max(min(cfg.min_tokens, cfg.max_tokens), min(cfg.max_tokens, tokens))
@@ -94,5 +104,5 @@ def _fit(steps, min_samples: int) -> StepFit | None:
         return None
     intercept = mean_y - slope * mean_x
     residuals = sorted(y - (intercept + slope * x) for x, y in steps)
-    margin = max(0.0, residuals[min(n - 1, math.ceil(0.9 * n) - 1)])
+    margin = max(0.0, residuals[-1])
     return StepFit(intercept, slope, margin, n)
