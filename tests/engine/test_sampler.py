@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from elastiserve.engine.sampler import Sampler, apply_top_k, apply_top_p, sampling_probs
+from elastiserve.engine.sampler import Sampler, apply_penalties, apply_top_k, apply_top_p, sampling_probs
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
@@ -103,3 +103,31 @@ def test_sampling_probs_combine_temperature_top_k_top_p(device):
 def test_mismatched_params_raise(device):
     with pytest.raises(ValueError, match="sampling params"):
         Sampler()(random_logits(2, 5, 0, device), [Params()])
+
+
+@dataclass
+class PenaltyParams(Params):
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+def test_penalties_match_hand_computed_logits(device):
+    """Row 0: prompt [1], generated [3, 3, 2]; repetition 2 divides positive and multiplies negative logits of tokens
+    1, 2, 3; frequency 0.5 takes 2 x 0.5 from token 3 and 0.5 from token 2; presence 0.25 takes 0.25 from both.
+    Row 1 has no history and stays as it was."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]], device=device)
+    params = [PenaltyParams(temperature=0.0, presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=2.0),
+              PenaltyParams(temperature=0.0)]
+    out = apply_penalties(logits, params, [([1], [3, 3, 2]), None])
+    expected = torch.tensor([[2.0, -2.0, -0.5, 0.25], [2.0, -1.0, 0.5, 3.0]], device=device)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert Sampler()(logits, params, histories=[([1], [3, 3, 2]), None]).tolist() == [0, 3]  # greedy too
+    assert logits[0, 3] == 3.0  # the input is not modified
+
+
+def test_penalties_only_on_generated_tokens_for_openai_fields(device):
+    logits = torch.zeros(1, 5, device=device)
+    params = [PenaltyParams(frequency_penalty=1.0, presence_penalty=1.0)]
+    out = apply_penalties(logits, params, [([0, 1, 1], [4])])  # prompt tokens are not penalised by these two
+    assert out.tolist() == [[0.0, 0.0, 0.0, 0.0, -2.0]]

@@ -112,6 +112,23 @@ def test_completion_stream_equals_non_stream(served):
     assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
 
 
+def test_penalties_reach_the_sampler(served):
+    """Greedy SmolLM2 repeats itself on this prompt ("-to-many-to-many"); with penalties (OpenAI's fields and vLLM's
+    repetition_penalty, as an extra body field) it repeats fewer tokens."""
+    if isinstance(served.engine, FakeEngine):
+        pytest.skip("the fake engine replays a script: it has no sampler to penalise")
+    args = dict(model=MODEL, prompt="one-to-one, one-to-many, many", max_tokens=10, temperature=0.0,
+                extra_body={"ignore_eos": True})
+    plain = served.client.completions.create(**args).choices[0].text
+    penalised = served.client.completions.create(
+        **(args | {"extra_body": {"ignore_eos": True, "repetition_penalty": 1.5}}), frequency_penalty=2.0,
+        presence_penalty=1.0).choices[0].text
+    tokenizer = served.engine.tokenizer
+    plain_ids, penalised_ids = tokenizer.encode(plain), tokenizer.encode(penalised)
+    assert len(set(plain_ids)) < len(plain_ids), plain  # the unpenalised text repeats tokens
+    assert len(set(penalised_ids)) > len(set(plain_ids)), (plain, penalised)
+
+
 def test_chat_stream_and_non_stream(served):
     messages = [{"role": "user", "content": "Say hello."}]
     full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)
@@ -140,6 +157,9 @@ def test_chat_stream_and_non_stream(served):
         ({"model": MODEL, "prompt": 5}, "prompt"),
         ({"model": MODEL, "prompt": "hi " * 400, "max_tokens": 4}, "max_tokens"),
         ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "frequency_penalty": 2.5}, None),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": "lots"}, "presence_penalty"),
+        ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0.0}, None),
     ],
 )
 def test_bad_completion_requests_get_400(served, body, param):

@@ -86,7 +86,7 @@ def _parse_stop(body: dict) -> tuple[str, ...]:
 
 def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = _number(body, name)
         if value is not None:
             sampling[name] = value

@@ -27,6 +27,7 @@ from elastiserve.engine.graphs import (
 )
 from elastiserve.engine.kv_manager import DemoteOp, KVManager, PromoteOp
 from elastiserve.engine.kv_pool import create_kv_pool
+from elastiserve.engine.sampler import Sampler
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
 from elastiserve.engine.step_inputs import InputBuffers, StepInputs, StepOutput, gather_step_inputs
@@ -57,7 +58,7 @@ class ModelRunner:
         self.buffers = InputBuffers(config, self.max_blocks, device)
         scale = 1.0 / math.sqrt(self.model_config.head_dim)
         self.ctx = PagedAttentionContext(self.kv_cache, scale, self.ops)
-        self.sampler = make_sampler()
+        self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self._inflight_promotions: list[tuple[list[PromoteOp], object]] = []
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -141,7 +142,7 @@ class ModelRunner:
             return StepOutput(out)
         logits = self.model.compute_logits(hidden[last_rows[inputs.sample_indices]])
         generators = [self._generator(r, p) for r, p in zip(inputs.request_ids, inputs.sample_params)]
-        sampled = self.sampler(logits, inputs.sample_params, generators).tolist()
+        sampled = self.sampler(logits, inputs.sample_params, generators, inputs.sample_histories).tolist()
         for i, token in zip(inputs.sample_indices, sampled):
             out[i] = int(token)
         return StepOutput(out)
@@ -300,21 +301,3 @@ def set_layer_modes(model: torch.nn.Module, fast_layers: frozenset[int]) -> None
     from elastiserve.engine import nested_weights
 
     nested_weights.set_layer_modes(model, fast_layers)
-
-
-def make_sampler() -> Any:
-    try:
-        from elastiserve.engine.sampler import Sampler
-    except ImportError:
-        return _greedy_or_multinomial
-    return Sampler()
-
-
-def _greedy_or_multinomial(logits: torch.Tensor, params: list, generators: list) -> torch.Tensor:
-    """Stand-in until the model helper's Sampler lands: greedy, or plain temperature sampling."""
-    out = logits.argmax(dim=-1)
-    for i, (p, gen) in enumerate(zip(params, generators)):
-        if p.temperature > 0:
-            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
-            out[i] = torch.multinomial(probs, 1, generator=gen)[0]
-    return out

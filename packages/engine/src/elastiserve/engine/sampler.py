@@ -1,4 +1,8 @@
-"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, and per-request seeds.
+
+Penalties apply to the logits first, greedy rows included, with vLLM's semantics: ``repetition_penalty`` (HF's
+CTRL-style rule: a positive logit divided by it, a negative one multiplied) over the prompt and generated tokens;
+OpenAI's ``frequency_penalty`` (times the count) and ``presence_penalty`` (once) over the generated tokens only.
 
 Rows with temperature 0 take the argmax. The others are scaled, masked by top-k then top-p (both computed on the
 temperature-scaled distribution, the order vLLM and HF use), and drawn with the exponential-race trick
@@ -22,15 +26,20 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence,
         generators: Mapping[int, torch.Generator] | Sequence[torch.Generator | None] | None = None,
+        histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
     ) -> torch.Tensor:
-        """logits[B, V] fp32, one SamplingParams-like object per row (temperature, top_k, top_p).
+        """logits[B, V] fp32, one SamplingParams-like object per row (temperature, top_k, top_p, and the penalties
+        when ``histories`` is given).
 
         ``generators``: row index -> torch.Generator on logits' device for seeded rows (a list with None for unseeded
-        rows also works). Returns token ids [B] int64 on logits' device.
+        rows also works). ``histories``: per row, (prompt ids, generated ids) for the rows to penalise, None for the
+        others. Returns token ids [B] int64 on logits' device.
         """
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
         logits = logits.float()
+        if histories is not None and any(h is not None for h in histories):
+            logits = apply_penalties(logits, params, histories)
         greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if not random_rows:
@@ -45,6 +54,41 @@ class Sampler:
         noise = _exponential_noise(probs, [_generator_for(generators, i) for i in random_rows])
         greedy_ids[rows] = (probs / noise).argmax(dim=-1)
         return greedy_ids
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence, histories: Sequence[tuple[Sequence[int], Sequence[int]] | None]
+) -> torch.Tensor:
+    """A copy of ``logits`` with each penalised row's repetition, frequency and presence penalties applied."""
+    rows = [i for i, h in enumerate(histories) if h is not None]
+    device, vocab = logits.device, logits.shape[-1]
+    out = logits.clone()
+    sub = out[rows]
+    generated = _token_counts([histories[i][1] for i in rows], vocab, device)
+    seen = generated > 0
+    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32, device=device)
+    if bool((repetition != 1.0).any()):
+        in_prompt = _token_counts([histories[i][0] for i in rows], vocab, device) > 0
+        r = repetition.unsqueeze(1)
+        sub = torch.where(in_prompt | seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=device)
+    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=torch.float32, device=device)
+    sub = sub - frequency.unsqueeze(1) * generated - presence.unsqueeze(1) * seen
+    out[rows] = sub
+    return out
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] fp32 counts, from one padded tensor and one scatter_add."""
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)  # column vocab: padding
+    if width:
+        ids = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
+        for row, tokens in enumerate(token_lists):
+            ids[row, : len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.int64)
+        ids = ids.to(device)
+        counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab]
 
 
 def sampling_probs(

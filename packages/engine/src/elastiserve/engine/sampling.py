@@ -18,6 +18,9 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI: minus this from the logit of every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token was generated
+    repetition_penalty: float = 1.0  # HF / vLLM: logits of prompt and generated tokens divided (> 0) or multiplied
 
     def __post_init__(self) -> None:
         # Lists from JSON bodies become tuples so the params stay hashable and immutable.
@@ -30,6 +33,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def validate(self, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
         """Raise InvalidRequest with a message a client can act on; return None when servable."""
         if self.temperature < 0.0:
@@ -40,6 +47,11 @@ class SamplingParams:
             raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]")
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequest(f"repetition_penalty={self.repetition_penalty} must be in (0, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequest(f"logprobs={self.logprobs} must be between 0 and 20")
         if any(not s for s in self.stop):

@@ -32,6 +32,8 @@ class StepInputs:
     sample_indices: list[int] = field(default_factory=list)  # sequences whose chunk ends this step
     sample_params: list[SamplingParams] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
+    # (prompt ids, output ids) of sampling sequences whose params have penalties; None for the others
+    sample_histories: list[tuple[list[int], list[int]] | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -59,6 +61,8 @@ def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
             inputs.sample_indices.append(i)
             inputs.sample_params.append(seq.params)
             inputs.request_ids.append(seq.request_id)
+            inputs.sample_histories.append((seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids)
+                                           if seq.params.has_penalties else None)
     return inputs
 
 
