@@ -1,7 +1,7 @@
-"""Sampling penalties end to end: the engine hands each sampling sequence's own prompt and generated tokens to the
-sampler, so that every greedy token it emits is the argmax of a plain forward's logits with the penalties applied
-by hand (repetition over prompt and output, frequency and presence over the output), and a penalised request
-decodes differently from an unpenalised one in the same batch."""
+"""Sampling penalties and logprobs end to end. The engine hands each sampling sequence's own prompt and generated
+tokens to the sampler, so that every greedy token it emits is the argmax of a plain forward's logits with the
+penalties applied by hand (repetition over prompt and output, frequency and presence over the output), and a
+penalised request decodes differently from an unpenalised one in the same batch. Logprobs are the raw model's."""
 
 from __future__ import annotations
 
@@ -64,3 +64,43 @@ def test_greedy_tokens_are_the_penalised_argmax_of_a_plain_forward():
                 assert token == best, (name, k)
                 checked += 1
     assert checked >= 15
+
+
+def test_logprobs_are_the_raw_log_softmax_of_a_plain_forward():
+    """Each sampled token's logprob and its top alternatives equal log_softmax of a dense forward's logits (before
+    the penalties and temperature that chose the token), within fp16 attention tolerance."""
+    model = random_fp16_model(small_llama_config(2, 128), scale=0.2)
+    config = EngineConfig(model="tiny", device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                          cpu_kv_blocks=128)
+    engine = LLMEngine(config, model=model, eos_token_ids=())
+    asks = {"top3": SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True, logprobs=3,
+                                   frequency_penalty=1.0),
+            "only-chosen": SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0),
+            "none": SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)}
+    try:
+        for name, params in asks.items():
+            engine.add_request(name, PROMPT, params)
+        seen: dict[str, list] = {name: [] for name in asks}
+        tokens: dict[str, list[int]] = {name: [] for name in asks}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                seen[out.request_id].append(out.logprobs)
+    finally:
+        engine.close()
+    assert all(entry is None for entry in seen["none"])
+    for name in ("top3", "only-chosen"):
+        for k, (entries, token) in enumerate(zip(seen[name], tokens[name])):
+            (entry,) = entries
+            seq = PROMPT + tokens[name][:k]
+            with torch.no_grad():
+                hidden = model(torch.tensor(seq), positions_for([len(seq)]), DenseAttentionContext([len(seq)]))
+                expected = torch.log_softmax(model.compute_logits(hidden[-1:]).float()[0], dim=-1)
+            assert entry.token_id == token
+            assert entry.logprob == pytest.approx(expected[token].item(), abs=2e-2)
+            assert len(entry.top) == asks[name].logprobs
+            for token_id, logprob in entry.top:
+                assert logprob == pytest.approx(expected[token_id].item(), abs=2e-2)
+            if entry.top:
+                assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+                assert entry.top[0][1] == pytest.approx(expected.max().item(), abs=2e-2)

@@ -129,6 +129,35 @@ def test_penalties_reach_the_sampler(served):
     assert len(set(penalised_ids)) > len(set(plain_ids)), (plain, penalised)
 
 
+def test_logprobs_completions_and_chat(served):
+    """Completions: ``logprobs`` N gives tokens, their logprobs, N alternatives each and text offsets, equal between
+    a stream and a full response; chat: ``logprobs`` with ``top_logprobs``. The sampled token's logprob is at most
+    the best alternative's, and a token's text is its piece of the output."""
+    if isinstance(served.engine, FakeEngine):
+        pytest.skip("the fake engine replays a script: it computes no logprobs")
+    args = dict(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0.0, logprobs=3,
+                extra_body={"ignore_eos": True})
+    full = served.client.completions.create(**args).choices[0]
+    lp = full.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == full.text and lp.text_offset[0] == 0
+    assert all(len(top) == 3 and max(top.values()) >= chosen - 1e-4 for top, chosen in
+               zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(chosen <= 0 for chosen in lp.token_logprobs)
+    chunks = [c for c in served.client.completions.create(**args, stream=True) if c.choices]
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    streamed_lp = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.tokens and streamed_lp == pytest.approx(lp.token_logprobs, abs=1e-4)
+    chat = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert 1 <= len(content) <= 4 and all(len(item.top_logprobs) == 2 for item in content)
+    assert all(bytes(item.bytes).decode() == item.token for item in content)
+    plain = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4, temperature=0.0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_chat_stream_and_non_stream(served):
     messages = [{"role": "user", "content": "Say hello."}]
     full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)
@@ -160,6 +189,8 @@ def test_chat_stream_and_non_stream(served):
         ({"model": MODEL, "prompt": "hi", "frequency_penalty": 2.5}, None),
         ({"model": MODEL, "prompt": "hi", "presence_penalty": "lots"}, "presence_penalty"),
         ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0.0}, None),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": True}, "logprobs"),
     ],
 )
 def test_bad_completion_requests_get_400(served, body, param):
@@ -180,6 +211,9 @@ def test_malformed_json_and_bad_chat_get_400(served):
     with pytest.raises(openai.BadRequestError) as info:
         served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
     assert info.value.status_code == 400 and "n=1" in str(info.value)
+    no_flag = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).encode()
+    status, payload = post_raw(served.url, "/v1/chat/completions", no_flag)
+    assert status == 400 and payload["error"]["param"] == "top_logprobs"
 
 
 def open_stream(url, max_tokens):

@@ -172,7 +172,7 @@ class LLMEngine:
         out = self.runner.execute(batch, self.kv)  # ends on the sampled tokens' read-back: device work included
         if self.step_budget is not None and batch.num_tokens > len(batch.seqs):  # a step with a prefill chunk
             self.step_budget.record(len(self.runner.fast_layers), batch.num_tokens, time.perf_counter() - start)
-        return self._postprocess(batch, out.token_ids)
+        return self._postprocess(batch, out.token_ids, out.logprobs)
 
     def _probe(self) -> StepDemand | None:
         should = getattr(self.policy, "should_probe", None)
@@ -180,7 +180,7 @@ class LLMEngine:
             return None
         return self.scheduler.dry_run()
 
-    def _postprocess(self, batch, tokens: list[int | None]) -> list[RequestOutput]:
+    def _postprocess(self, batch, tokens: list[int | None], logprobs: list | None = None) -> list[RequestOutput]:
         now = time.monotonic()
         fast = bool(self.runner.fast_layers)
         outputs = []
@@ -202,17 +202,18 @@ class LLMEngine:
                 seq.metrics.finished_time = now
                 self.scheduler.finish(seq)
                 self._forget(seq)
-            outputs.append(self._output(seq, [token]))
+            entry = logprobs[i] if logprobs is not None else None
+            outputs.append(self._output(seq, [token], [entry] if entry is not None else None))
         return outputs
 
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list | None = None) -> RequestOutput:
         finished = seq.is_finished
         text = None
         if finished and self.tokenizer is not None:
             text = seq.output_text or self.tokenizer.decode(seq.output_token_ids)
         return RequestOutput(
             seq.request_id, new_tokens, finished, seq.finish_reason, seq.num_prompt_tokens,
-            seq.num_output_tokens, seq.metrics, text,
+            seq.num_output_tokens, seq.metrics, text, logprobs,
         )  # fmt: skip
 
     def _finish_reason(self, seq: Sequence) -> str | None:

@@ -8,6 +8,16 @@ from elastiserve.engine.sequence import SequenceMetrics
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's raw distribution (before penalties, temperature, top-k
+    and top-p, as vLLM reports by default), and the ``SamplingParams.logprobs`` most likely tokens with theirs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -17,6 +27,7 @@ class RequestOutput:
     num_output_tokens: int
     metrics: SequenceMetrics
     text: str | None = None  # full output text, set when finished and a tokenizer is present
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)

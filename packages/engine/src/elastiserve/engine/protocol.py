@@ -156,8 +156,21 @@ def parse_completion(body: Any) -> ParsedRequest:
     _check_n(body)
     stream, include_usage = _stream_flags(body)
     echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
+    sampling = _parse_sampling(body, ("max_tokens",))
+    _set_logprobs(sampling, _integer(body, "logprobs"), "logprobs")
     return ParsedRequest("completion", model, prompt=prompt, stream=stream, include_usage=include_usage, echo=echo,
-                         sampling=_parse_sampling(body, ("max_tokens",)), stop=_parse_stop(body))
+                         sampling=sampling, stop=_parse_stop(body))
+
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI's completions allow 5, its chat 20)
+
+
+def _set_logprobs(sampling: dict[str, Any], count: int | None, param: str) -> None:
+    if count is None:
+        return
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise BadRequest(f"'{param}' must be between 0 and {MAX_LOGPROBS}, got {count}", param=param)
+    sampling["logprobs"] = count
 
 
 def _parse_messages(body: dict) -> list[dict[str, Any]]:
@@ -191,9 +204,15 @@ def parse_chat(body: Any) -> ParsedRequest:
     messages = _parse_messages(body)
     _check_n(body)
     stream, include_usage = _stream_flags(body)
+    sampling = _parse_sampling(body, ("max_completion_tokens", "max_tokens"))
+    wants = _check_type(body, "logprobs", (bool,), "a boolean")
+    top = _integer(body, "top_logprobs")
+    if top is not None and not wants:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if wants:
+        _set_logprobs(sampling, top or 0, "top_logprobs")
     return ParsedRequest("chat", model, messages=messages, stream=stream, include_usage=include_usage,
-                         sampling=_parse_sampling(body, ("max_completion_tokens", "max_tokens")),
-                         stop=_parse_stop(body))
+                         sampling=sampling, stop=_parse_stop(body))
 
 
 def new_id(kind: str) -> str:
@@ -207,7 +226,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def chunk_body(req: ParsedRequest, request_id: str, created: int, text: str | None,
-               finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+               finish_reason: str | None, first: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
     """One streamed chunk; ``text`` None with a finish reason closes the choice."""
     if req.kind == "chat":
         delta: dict[str, Any] = {}
@@ -215,10 +234,10 @@ def chunk_body(req: ParsedRequest, request_id: str, created: int, text: str | No
             delta["role"] = "assistant"
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     body = {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
     if req.include_usage:
@@ -234,16 +253,38 @@ def usage_chunk(req: ParsedRequest, request_id: str, created: int, prompt_tokens
 
 
 def full_body(req: ParsedRequest, request_id: str, text: str, finish_reason: str | None, prompt_tokens: int,
-              completion_tokens: int) -> dict[str, Any]:
+              completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": req.model, "choices": [choice],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def logprobs_body(req: ParsedRequest, entries: list[Any], token_text: Any, text_offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object for ``entries`` (``TokenLogprob``s; ``token_text(id)`` is a token's text): chat's
+    ``content`` list, or the completions arrays with character offsets from ``text_offset``. None when the request
+    did not ask for logprobs."""
+    if req.sampling.get("logprobs") is None:
+        return None
+    if req.kind == "chat":
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def models_body(model_names: list[str]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from elastiserve.engine.graphs import (
 )
 from elastiserve.engine.kv_manager import DemoteOp, KVManager, PromoteOp
 from elastiserve.engine.kv_pool import create_kv_pool
+from elastiserve.engine.outputs import TokenLogprob
 from elastiserve.engine.sampler import Sampler
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
@@ -142,10 +143,15 @@ class ModelRunner:
             return StepOutput(out)
         logits = self.model.compute_logits(hidden[last_rows[inputs.sample_indices]])
         generators = [self._generator(r, p) for r, p in zip(inputs.request_ids, inputs.sample_params)]
-        sampled = self.sampler(logits, inputs.sample_params, generators, inputs.sample_histories).tolist()
-        for i, token in zip(inputs.sample_indices, sampled):
+        sampled = self.sampler(logits, inputs.sample_params, generators, inputs.sample_histories)
+        for i, token in zip(inputs.sample_indices, sampled.tolist()):
             out[i] = int(token)
-        return StepOutput(out)
+        step = StepOutput(out)
+        if any(p.logprobs is not None for p in inputs.sample_params):
+            step.logprobs = [None] * num_seqs
+            for i, entry in zip(inputs.sample_indices, token_logprobs(logits, sampled, inputs.sample_params)):
+                step.logprobs[i] = entry
+        return step
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:
@@ -295,6 +301,25 @@ def nest_weights(model: torch.nn.Module) -> Any:
     from elastiserve.engine import nested_weights  # Triton kernels: imported only by nested-weight policies
 
     return nested_weights.nest_weights(model)
+
+
+def token_logprobs(logits: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams]) -> list[Any]:
+    """Per row, None or the sampled token's raw log-probability and the row's ``logprobs`` most likely tokens; the
+    rows that ask are computed together, and read back once."""
+    rows = [j for j, p in enumerate(params) if p.logprobs is not None]
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits[index].float(), dim=-1)
+    ids = sampled[index]
+    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    ids = ids.tolist()
+    width = max(params[j].logprobs for j in rows)
+    top_lp, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    out: list[Any] = [None] * len(params)
+    for k, j in enumerate(rows):
+        n = params[j].logprobs
+        out[j] = TokenLogprob(ids[k], chosen[k], tuple(zip(top_ids[k][:n], top_lp[k][:n])))
+    return out
 
 
 def set_layer_modes(model: torch.nn.Module, fast_layers: frozenset[int]) -> None:

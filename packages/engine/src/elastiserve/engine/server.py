@@ -143,11 +143,14 @@ class RequestRun:
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self.queue_s: float | None = None
+        self.pending_logprobs: list[Any] = []  # TokenLogprobs not yet sent
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts in the choice's text
 
     def feed(self, output: Any) -> str:
         """New text that is safe to send; sets ``finish_reason`` when the request ends (engine or stop string)."""
         now = time.perf_counter()
         new_ids = list(output.new_token_ids)
+        self.pending_logprobs += getattr(output, "logprobs", None) or []
         if new_ids:
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
@@ -163,6 +166,18 @@ class RequestRun:
             if self.finish_reason == "abort":
                 self.finish_reason = "stop"
         return text
+
+    def take_logprobs(self) -> dict | None:
+        """The logprobs object of the tokens fed since the last call (None if there are none or none were asked)."""
+        if not self.pending_logprobs:
+            return None
+        decode = self.state.tokenizer.decode
+        body = protocol.logprobs_body(self.req, self.pending_logprobs, lambda token_id: decode([token_id]),
+                                      self.text_offset)
+        if body is not None and "tokens" in body:
+            self.text_offset += sum(len(t) for t in body["tokens"])
+        self.pending_logprobs = []
+        return body
 
     def record(self) -> None:
         m = self.state.metrics
@@ -204,6 +219,7 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
         if req.stream:
             return await stream_response(request, run, request_id, first, outputs)
         pieces = [prompt_text(state, req)] if req.echo else []
+        run.text_offset = len(pieces[0]) if pieces else 0
         output = first
         while True:
             pieces.append(run.feed(output))
@@ -212,7 +228,7 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
             output = await anext(outputs)
     run.record()
     body = protocol.full_body(req, request_id, "".join(pieces), run.finish_reason, run.prompt_len,
-                              run.num_output_tokens)
+                              run.num_output_tokens, run.take_logprobs())
     return web.json_response(body)
 
 
@@ -229,13 +245,16 @@ async def stream_response(request: web.Request, run: RequestRun, request_id: str
     if req.kind == "chat":
         await response.write(sse(protocol.chunk_body(req, request_id, created, "", None, first=True)))
     elif req.echo:
-        await response.write(sse(protocol.chunk_body(req, request_id, created, prompt_text(state, req), None)))
+        echoed = prompt_text(state, req)
+        run.text_offset = len(echoed)
+        await response.write(sse(protocol.chunk_body(req, request_id, created, echoed, None)))
     output = first
     try:
         while True:
             text = run.feed(output)
             if text:
-                await response.write(sse(protocol.chunk_body(req, request_id, created, text, None)))
+                await response.write(sse(protocol.chunk_body(req, request_id, created, text, None,
+                                                             logprobs=run.take_logprobs())))
             if run.finish_reason is not None:
                 break
             output = await anext(outputs)
@@ -247,7 +266,8 @@ async def stream_response(request: web.Request, run: RequestRun, request_id: str
     except (ConnectionError, asyncio.CancelledError):
         state.metrics.count("requests_aborted_total")
         raise
-    await response.write(sse(protocol.chunk_body(req, request_id, created, None, run.finish_reason)))
+    await response.write(sse(protocol.chunk_body(req, request_id, created, None, run.finish_reason,
+                                                 logprobs=run.take_logprobs())))
     if req.include_usage:
         await response.write(sse(protocol.usage_chunk(req, request_id, created, run.prompt_len,
                                                       run.num_output_tokens)))

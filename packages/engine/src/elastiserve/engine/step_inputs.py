@@ -14,6 +14,7 @@ import torch
 from elastiserve.engine.attention_context import AttentionMetadata
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.kv_manager import KVManager
+from elastiserve.engine.outputs import TokenLogprob
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
 from elastiserve.kernels.attention_plan import GENERAL, STRUCTURED, STRUCTURED_SPLIT, choose_path_from_bounds
@@ -39,6 +40,7 @@ class StepInputs:
 @dataclass(slots=True)
 class StepOutput:
     token_ids: list[int | None]  # one per scheduled sequence; None when its chunk did not reach the end
+    logprobs: list[TokenLogprob | None] | None = None  # likewise, for sequences that asked for logprobs
 
 
 def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
