@@ -74,6 +74,8 @@ def test_capped_engine_gives_the_same_greedy_tokens_in_capped_steps():
         prompts = [[(3 * i + s) % 97 for i in range(n)] for s, n in ((1, 40), (2, 23), (5, 61), (7, 9))]
         try:
             results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            stats = engine.stats()  # the last step's size and time, for bench timelines
+            assert (stats["step_tokens"], stats["step_seqs"]) == steps[-1] and stats["step_s"] > 0
         finally:
             engine.close()
         if not cap:  # a bound no CPU step comes near: the engine learned every chunk-carrying step, and only those

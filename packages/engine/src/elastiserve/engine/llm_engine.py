@@ -97,6 +97,7 @@ class LLMEngine:
         self.events = EventLog()
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, hf_config))
         self.step_count = 0
+        self.last_step: dict[str, Any] = {"step_tokens": 0, "step_seqs": 0, "step_s": 0.0}
         self._restore_layers: tuple[int, ...] | None = None
         self._seq_ids = itertools.count()
         self._seq_index: dict[str, int] = {}
@@ -170,8 +171,10 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         out = self.runner.execute(batch, self.kv)  # ends on the sampled tokens' read-back: device work included
+        seconds = time.perf_counter() - start
+        self.last_step = {"step_tokens": batch.num_tokens, "step_seqs": len(batch.seqs), "step_s": seconds}
         if self.step_budget is not None and batch.num_tokens > len(batch.seqs):  # a step with a prefill chunk
-            self.step_budget.record(len(self.runner.fast_layers), batch.num_tokens, time.perf_counter() - start)
+            self.step_budget.record(len(self.runner.fast_layers), batch.num_tokens, seconds)
         return self._postprocess(batch, out.token_ids, out.logprobs)
 
     def _probe(self) -> StepDemand | None:
@@ -388,7 +391,9 @@ class LLMEngine:
         return results
 
     def stats(self) -> dict[str, Any]:
-        return engine_stats(self.step_count, self.kv, self.scheduler, self.runner, self.events)
+        """Counters, mode and KV state, and the last executed step's tokens, sequences and seconds (what a bench
+        timeline needs to fit step times against tokens)."""
+        return engine_stats(self.step_count, self.kv, self.scheduler, self.runner, self.events) | self.last_step
 
 
 def _resolve_device(name: str) -> torch.device:
