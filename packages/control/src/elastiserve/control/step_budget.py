@@ -6,15 +6,15 @@ modes. On the H200 (Qwen3-30B-A3B shapes, 80 GB budget, 2,048-token chunks, mixe
 serving/results/moe-mixed-graphs-run2) static-fp16 met the DPS joint SLO (max TBT <= 5 x 24.65 ms) for every
 finished request at 4 and 8 req/s, while dps, whose full mode reconstructs fp16 weights from two byte planes, broke
 it for 93 of 214 requests at 4 req/s: its slowest full-mode steps took 126-135 ms, and each such step breaks the
-TBT bound of every request running through it. Its fast-mode steps never did. Sarathi-Serve sizes its
-token budget from the TBT SLO the same way, offline; here the budget follows the mode the engine is in.
+TBT bound of every request running through it. Its fast-mode steps never did. Sarathi-Serve sizes its token budget
+from the TBT SLO the same way, offline; here the budget follows the mode the engine is in.
 
 Per mode (the number of fast layers) this keeps the last ``window`` chunk-carrying steps as (tokens, seconds),
 fits seconds = a + b x tokens by least squares, and caps the next step's tokens at (bound - a - margin) / b, where
 the margin is the largest residual of the fit: the bound is on a maximum, and one step over it breaks the TBT bound
 of every running request. (The simulator's steps are a deterministic function of the step, so there the margin
-hardly matters; a GPU's steps have outliers, and those should shrink the budget.) Below
-``min_samples`` steps, or with no spread in tokens, or a non-positive slope, it does not cap. The engine's scheduler
+hardly matters; a GPU's steps have outliers, and those should shrink the budget.) Below ``min_samples`` steps, or
+with no spread in tokens, or a non-positive slope, it does not cap. The engine's scheduler
 (``EngineConfig.max_step_time_s``) and the simulator's replicas (``ReplicaConfig.max_step_time_s``) use this one
 class. Off by default in both; CPU-tested, not yet measured on a GPU.
 """
@@ -50,7 +50,7 @@ class StepBudgetConfig:
 class StepFit:
     intercept_s: float
     per_token_s: float
-    margin_s: float  # 90th percentile of the residuals, >= 0
+    margin_s: float  # the largest residual, >= 0
     samples: int
 
 
@@ -103,6 +103,5 @@ def _fit(steps, min_samples: int) -> StepFit | None:
     if slope <= 0:
         return None
     intercept = mean_y - slope * mean_x
-    residuals = sorted(y - (intercept + slope * x) for x, y in steps)
-    margin = max(0.0, residuals[-1])
+    margin = max(0.0, max(y - (intercept + slope * x) for x, y in steps))
     return StepFit(intercept, slope, margin, n)

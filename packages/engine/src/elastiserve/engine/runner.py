@@ -276,9 +276,9 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture, before serving, the graphs the policy reaches without per-layer mixes: every decode batch size
         on each attention path the policy uses (and every mixed bucket on the native path, with ``mixed_graphs``),
-        in each of its whole-model modes (``warmup.mode_sets``). A graph
-        first met mid-run is captured, and its kernels compiled, inside somebody's step. Per-layer mixes (combined
-        with layer granularity) are still captured when first used."""
+        in each of its whole-model modes (``warmup.mode_sets``). A graph first met mid-run is captured, and its
+        kernels compiled, inside somebody's step. Per-layer mixes (combined with layer granularity) are still captured
+        when first used."""
         if self.graphs is None:
             return
         before = self.fast_layers
