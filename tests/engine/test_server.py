@@ -158,6 +158,32 @@ def test_logprobs_completions_and_chat(served):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt(served):
+    """lm-eval's loglikelihood request: ``echo`` with ``logprobs`` and ``max_tokens`` 0 returns the prompt and a logprob
+    for each of its tokens but the first (null, as OpenAI writes it). With tokens to generate, the same prompt
+    logprobs come first and the generated ones follow; a stream sends the prompt's with the echoed text."""
+    if isinstance(served.engine, FakeEngine):
+        pytest.skip("the fake engine replays a script: it computes no logprobs")
+    prompt = "The quick brown fox jumps over the lazy dog"
+    scored = served.client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == prompt and scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert "".join(lp.tokens) == prompt and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == scored.usage.prompt_tokens
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    more = served.client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3,
+                                            temperature=0.0, extra_body={"ignore_eos": True}).choices[0]
+    n = len(lp.tokens)
+    assert more.logprobs.tokens[:n] == lp.tokens and len(more.logprobs.tokens) == n + 3
+    assert more.logprobs.token_logprobs[1:n] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+    assert more.text == prompt + "".join(more.logprobs.tokens[n:])
+    chunks = [c for c in served.client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1,
+                                                          max_tokens=2, stream=True) if c.choices]
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.tokens == lp.tokens
+
+
 def test_chat_stream_and_non_stream(served):
     messages = [{"role": "user", "content": "Say hello."}]
     full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)
@@ -191,6 +217,8 @@ def test_chat_stream_and_non_stream(served):
         ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0.0}, None),
         ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"model": MODEL, "prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
     ],
 )
 def test_bad_completion_requests_get_400(served, body, param):

@@ -20,7 +20,7 @@ from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.observe import engine_stats, observe_step
-from elastiserve.engine.outputs import CompletionResult, RequestOutput
+from elastiserve.engine.outputs import CompletionResult, RequestOutput, TokenLogprob
 from elastiserve.engine.runner import ModelRunner
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
@@ -129,6 +129,8 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids {bad[:4]} are outside the vocabulary")
         metrics = SequenceMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, metrics)
+        if params.prompt_logprobs is not None:  # nothing predicts the first token
+            seq.prompt_logprobs = [TokenLogprob(seq.token_ids[0], None)]
         self._seq_index[request_id] = next(self._seq_ids)
         self.scheduler.add(seq)
 
@@ -175,6 +177,8 @@ class LLMEngine:
         self.last_step = {"step_tokens": batch.num_tokens, "step_seqs": len(batch.seqs), "step_s": seconds}
         if self.step_budget is not None and batch.num_tokens > len(batch.seqs):  # a step with a prefill chunk
             self.step_budget.record(len(self.runner.fast_layers), batch.num_tokens, seconds)
+        for i, entries in (out.prompt_logprobs or {}).items():
+            batch.seqs[i].prompt_logprobs += entries
         return self._postprocess(batch, out.token_ids, out.logprobs)
 
     def _probe(self) -> StepDemand | None:
@@ -194,6 +198,12 @@ class LLMEngine:
                 seq.metrics.first_scheduled_time = now
             if token is None:
                 continue
+            if seq.params.max_tokens == 0:  # the prompt is scored: nothing to generate
+                seq.finish_reason, seq.metrics.finished_time = "length", now
+                self.scheduler.finish(seq)
+                self._forget(seq)
+                outputs.append(self._output(seq, [], prompt_logprobs=seq.prompt_logprobs))
+                continue
             seq.token_ids.append(token)
             seq.metrics.token_times.append(now)
             seq.metrics.fast_mode_tokens += fast
@@ -206,17 +216,19 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 self._forget(seq)
             entry = logprobs[i] if logprobs is not None else None
-            outputs.append(self._output(seq, [token], [entry] if entry is not None else None))
+            first = seq.prompt_logprobs if seq.num_output_tokens == 1 else None
+            outputs.append(self._output(seq, [token], [entry] if entry is not None else None, first))
         return outputs
 
-    def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list | None = None) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list | None = None,
+                prompt_logprobs: list | None = None) -> RequestOutput:
         finished = seq.is_finished
         text = None
         if finished and self.tokenizer is not None:
             text = seq.output_text or self.tokenizer.decode(seq.output_token_ids)
         return RequestOutput(
             seq.request_id, new_tokens, finished, seq.finish_reason, seq.num_prompt_tokens,
-            seq.num_output_tokens, seq.metrics, text, logprobs,
+            seq.num_output_tokens, seq.metrics, text, logprobs, prompt_logprobs,
         )  # fmt: skip
 
     def _finish_reason(self, seq: Sequence) -> str | None:

@@ -13,7 +13,7 @@ class TokenLogprob:
     and top-p, as vLLM reports by default), and the ``SamplingParams.logprobs`` most likely tokens with theirs."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None for a prompt's first token, which nothing predicts
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -28,6 +28,7 @@ class RequestOutput:
     metrics: SequenceMetrics
     text: str | None = None  # full output text, set when finished and a tokenizer is present
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, on the first output, when asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,7 +97,7 @@ def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, 
     for name in max_tokens_names:
         value = _integer(body, name)
         if value is not None:
-            if value < 1:
+            if value < 0:
                 raise BadRequest(f"'{name}' must be at least 1, got {value}", param=name)
             sampling["max_tokens"] = value
             break
@@ -158,6 +158,10 @@ def parse_completion(body: Any) -> ParsedRequest:
     echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
     sampling = _parse_sampling(body, ("max_tokens",))
     _set_logprobs(sampling, _integer(body, "logprobs"), "logprobs")
+    if echo and "logprobs" in sampling:  # OpenAI's echo with logprobs scores the prompt too
+        sampling["prompt_logprobs"] = sampling["logprobs"]
+    if sampling.get("max_tokens") == 0 and "prompt_logprobs" not in sampling:
+        raise BadRequest("'max_tokens' 0 only scores the prompt: it needs 'echo' with 'logprobs'", param="max_tokens")
     return ParsedRequest("completion", model, prompt=prompt, stream=stream, include_usage=include_usage, echo=echo,
                          sampling=sampling, stop=_parse_stop(body))
 
@@ -205,6 +209,8 @@ def parse_chat(body: Any) -> ParsedRequest:
     _check_n(body)
     stream, include_usage = _stream_flags(body)
     sampling = _parse_sampling(body, ("max_completion_tokens", "max_tokens"))
+    if sampling.get("max_tokens") == 0:
+        raise BadRequest("'max_tokens' must be at least 1, got 0", param="max_tokens")
     wants = _check_type(body, "logprobs", (bool,), "a boolean")
     top = _integer(body, "top_logprobs")
     if top is not None and not wants:
@@ -283,8 +289,10 @@ def logprobs_body(req: ParsedRequest, entries: list[Any], token_text: Any, text_
     for text in tokens:
         offsets.append(text_offset)
         text_offset += len(text)
+    # A prompt's first token has no logprob: OpenAI writes null for it and for its alternatives.
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e.logprob is None else {token_text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 def models_body(model_names: list[str]) -> dict[str, Any]:

@@ -139,14 +139,17 @@ class ModelRunner:
             hidden = self.forward(metadata.slot_mapping.shape[0], metadata)
             last_rows = metadata.query_start_loc[1:] - 1
         out: list[int | None] = [None] * num_seqs
-        if not inputs.sample_indices or not sample:  # tensor-parallel workers: rank 0 computes logits and samples
+        if not sample:  # tensor-parallel workers: rank 0 computes logits and samples
             return StepOutput(out)
+        prompt = score_prompt_rows(self.model, hidden, inputs.prompt_rows) if inputs.prompt_rows else None
+        if not inputs.sample_indices:
+            return StepOutput(out, prompt_logprobs=prompt)
         logits = self.model.compute_logits(hidden[last_rows[inputs.sample_indices]])
         generators = [self._generator(r, p) for r, p in zip(inputs.request_ids, inputs.sample_params)]
         sampled = self.sampler(logits, inputs.sample_params, generators, inputs.sample_histories)
         for i, token in zip(inputs.sample_indices, sampled.tolist()):
             out[i] = int(token)
-        step = StepOutput(out)
+        step = StepOutput(out, prompt_logprobs=prompt)
         if any(p.logprobs is not None for p in inputs.sample_params):
             step.logprobs = [None] * num_seqs
             for i, entry in zip(inputs.sample_indices, token_logprobs(logits, sampled, inputs.sample_params)):
@@ -308,18 +311,39 @@ def token_logprobs(logits: torch.Tensor, sampled: torch.Tensor, params: list[Sam
     rows that ask are computed together, and read back once."""
     rows = [j for j, p in enumerate(params) if p.logprobs is not None]
     index = torch.tensor(rows, device=logits.device)
-    logp = torch.log_softmax(logits[index].float(), dim=-1)
-    ids = sampled[index]
-    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
-    ids = ids.tolist()
-    width = max(params[j].logprobs for j in rows)
-    top_lp, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    entries = rank_tokens(torch.log_softmax(logits[index].float(), dim=-1), sampled[index],
+                          [params[j].logprobs for j in rows])
     out: list[Any] = [None] * len(params)
-    for k, j in enumerate(rows):
-        n = params[j].logprobs
-        out[j] = TokenLogprob(ids[k], chosen[k], tuple(zip(top_ids[k][:n], top_lp[k][:n])))
+    for j, entry in zip(rows, entries):
+        out[j] = entry
     return out
+
+
+PROMPT_SCORE_ROWS = 256  # prompt rows scored per logits call: 256 x a 128k vocabulary is 128 MiB of fp32
+
+
+def score_prompt_rows(model: Any, hidden: torch.Tensor, prompt_rows: list) -> dict[int, list[TokenLogprob]]:
+    """For each (sequence, first row, targets, alternatives): the raw logprob of every target given the row before
+    it, in slices so that a long chunk does not materialise its whole [rows, vocabulary] logits at once."""
+    scored: dict[int, list[TokenLogprob]] = {}
+    for seq_index, first_row, targets, width in prompt_rows:
+        entries = scored.setdefault(seq_index, [])
+        for s in range(0, len(targets), PROMPT_SCORE_ROWS):
+            part = targets[s : s + PROMPT_SCORE_ROWS]
+            rows = hidden[first_row + s : first_row + s + len(part)]
+            logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
+            ids = torch.tensor(part, dtype=torch.int64, device=hidden.device)
+            entries += rank_tokens(logp, ids, [width] * len(part))
+    return scored
+
+
+def rank_tokens(logp: torch.Tensor, ids: torch.Tensor, widths: list[int]) -> list[TokenLogprob]:
+    """Row k: ``ids[k]``'s logprob in ``logp[k]`` and the row's ``widths[k]`` most likely tokens, read back once."""
+    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    width = max(widths)
+    top_lp, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
+    top_lp, top_ids, ids = top_lp.tolist(), top_ids.tolist(), ids.tolist()
+    return [TokenLogprob(ids[k], chosen[k], tuple(zip(top_ids[k][:n], top_lp[k][:n]))) for k, n in enumerate(widths)]
 
 
 def set_layer_modes(model: torch.nn.Module, fast_layers: frozenset[int]) -> None:

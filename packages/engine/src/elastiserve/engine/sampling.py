@@ -18,6 +18,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob given the ones before it, and N more
     presence_penalty: float = 0.0  # OpenAI: minus this from the logit of every token already generated
     frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token was generated
     repetition_penalty: float = 1.0  # HF / vLLM: logits of prompt and generated tokens divided (> 0) or multiplied
@@ -45,8 +46,11 @@ class SamplingParams:
             raise InvalidRequest(f"top_k={self.top_k} must be -1 (disabled) or >= 1")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]")
-        if self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1 (0 only scores the prompt, with "
+                                 "prompt_logprobs)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequest(f"prompt_logprobs={self.prompt_logprobs} must be between 0 and 20")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequest(f"{name}={getattr(self, name)} must be in [-2, 2]")

@@ -47,6 +47,7 @@ class Sequence:
     pair_states: list[PairState] = field(default_factory=list)  # one per pair of logical blocks (2p, 2p+1)
     finish_reason: str | None = None
     output_text: str = ""
+    prompt_logprobs: list | None = None  # TokenLogprobs of the prompt so far, when its params ask for them
 
     @property
     def num_tokens(self) -> int:

@@ -144,12 +144,14 @@ class RequestRun:
         self.finish_reason: str | None = None
         self.queue_s: float | None = None
         self.pending_logprobs: list[Any] = []  # TokenLogprobs not yet sent
+        self.prompt_logprobs_taken = False  # an echoed stream sends the prompt's with the echo chunk
         self.text_offset = 0  # completions' logprobs: where the next token's text starts in the choice's text
 
     def feed(self, output: Any) -> str:
         """New text that is safe to send; sets ``finish_reason`` when the request ends (engine or stop string)."""
         now = time.perf_counter()
         new_ids = list(output.new_token_ids)
+        self.take_prompt(output)
         self.pending_logprobs += getattr(output, "logprobs", None) or []
         if new_ids:
             self.first_token_at = self.first_token_at or now
@@ -166,6 +168,13 @@ class RequestRun:
             if self.finish_reason == "abort":
                 self.finish_reason = "stop"
         return text
+
+    def take_prompt(self, output: Any) -> None:
+        """Queue the prompt's logprobs (echo with logprobs) ahead of the generated tokens', once."""
+        prompt = getattr(output, "prompt_logprobs", None)
+        if prompt and not self.prompt_logprobs_taken:
+            self.pending_logprobs += prompt
+            self.prompt_logprobs_taken = True
 
     def take_logprobs(self) -> dict | None:
         """The logprobs object of the tokens fed since the last call (None if there are none or none were asked)."""
@@ -219,7 +228,6 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
         if req.stream:
             return await stream_response(request, run, request_id, first, outputs)
         pieces = [prompt_text(state, req)] if req.echo else []
-        run.text_offset = len(pieces[0]) if pieces else 0
         output = first
         while True:
             pieces.append(run.feed(output))
@@ -245,9 +253,9 @@ async def stream_response(request: web.Request, run: RequestRun, request_id: str
     if req.kind == "chat":
         await response.write(sse(protocol.chunk_body(req, request_id, created, "", None, first=True)))
     elif req.echo:
-        echoed = prompt_text(state, req)
-        run.text_offset = len(echoed)
-        await response.write(sse(protocol.chunk_body(req, request_id, created, echoed, None)))
+        run.take_prompt(first)  # the first output carries the prompt's logprobs: they go with the prompt's text
+        await response.write(sse(protocol.chunk_body(req, request_id, created, prompt_text(state, req), None,
+                                                     logprobs=run.take_logprobs())))
     output = first
     try:
         while True:

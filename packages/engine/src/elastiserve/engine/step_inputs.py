@@ -35,12 +35,16 @@ class StepInputs:
     request_ids: list[str] = field(default_factory=list)
     # (prompt ids, output ids) of sampling sequences whose params have penalties; None for the others
     sample_histories: list[tuple[list[int], list[int]] | None] = field(default_factory=list)
+    # (sequence, its first row in this step, the prompt tokens those rows predict, alternatives) for sequences that
+    # asked for prompt logprobs and have prompt tokens left to score
+    prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class StepOutput:
     token_ids: list[int | None]  # one per scheduled sequence; None when its chunk did not reach the end
     logprobs: list[TokenLogprob | None] | None = None  # likewise, for sequences that asked for logprobs
+    prompt_logprobs: dict[int, list[TokenLogprob]] | None = None  # sequence index -> the prompt tokens scored
 
 
 def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
@@ -49,6 +53,11 @@ def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
     inputs = StepInputs()
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start = seq.num_computed_tokens
+        if seq.prompt_logprobs is not None:  # rows p predict token p + 1; skip what an earlier pass scored
+            first, stop = max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)
+            if first < stop:
+                inputs.prompt_rows.append((i, len(inputs.tokens) + first - start, seq.token_ids[first + 1 : stop + 1],
+                                           seq.params.prompt_logprobs))
         inputs.tokens.extend(seq.token_ids[start : start + n])
         inputs.positions.extend(range(start, start + n))
         inputs.slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))

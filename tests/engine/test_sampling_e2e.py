@@ -104,3 +104,39 @@ def test_logprobs_are_the_raw_log_softmax_of_a_plain_forward():
             if entry.top:
                 assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
                 assert entry.top[0][1] == pytest.approx(expected.max().item(), abs=2e-2)
+
+
+def test_prompt_logprobs_across_chunks_and_scoring_only():
+    """A 30-token prompt in 8-token chunks: every prompt token after the first gets the logprob a dense forward of
+    the prompt gives it, with 2 alternatives; the first has none. ``max_tokens=0`` scores the prompt and stops."""
+    model = random_fp16_model(small_llama_config(2, 128), scale=0.2)
+    config = EngineConfig(model="tiny", device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                          cpu_kv_blocks=128)
+    prompt = [(7 * i + 3) % 97 for i in range(30)]
+    with torch.no_grad():
+        hidden = model(torch.tensor(prompt), positions_for([30]), DenseAttentionContext([30]))
+        expected = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+    engine = LLMEngine(config, model=model, eos_token_ids=())
+    try:
+        engine.add_request("score", prompt, SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=2))
+        engine.add_request("gen", prompt, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=0,
+                                                         ignore_eos=True))
+        firsts, finals = {}, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                firsts.setdefault(out.request_id, out)
+                if out.finished:
+                    finals[out.request_id] = out
+    finally:
+        engine.close()
+    assert finals["score"].new_token_ids == [] and finals["score"].num_output_tokens == 0
+    assert finals["score"].finish_reason == "length" and len(finals["gen"].new_token_ids) == 1
+    for name, width in (("score", 2), ("gen", 0)):
+        entries = firsts[name].prompt_logprobs
+        assert [e.token_id for e in entries] == prompt and entries[0].logprob is None
+        for k in range(1, 30):
+            assert entries[k].logprob == pytest.approx(expected[k - 1, prompt[k]].item(), abs=2e-2), (name, k)
+            assert len(entries[k].top) == width
+            for token_id, logprob in entries[k].top:
+                assert logprob == pytest.approx(expected[k - 1, token_id].item(), abs=2e-2)
+    assert firsts["gen"].prompt_logprobs is not None and finals["gen"].prompt_logprobs is None  # sent once
