@@ -141,6 +141,10 @@ def _line_prompt(engine: Any, record: dict[str, Any], lineno: int) -> list[int]:
     raise ConfigError(f"line {lineno}: expected 'prompt', 'messages' or 'prompt_token_ids'")
 
 
+GENERATE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logprobs")  # SamplingParams fields a line may set
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -152,15 +156,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     records = [json.loads(line) for line in args.input.read_text().splitlines() if line.strip()]
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str | None] = {}
+    logprobs: dict[str, list[list]] = {}
     for i, record in enumerate(records):
-        fields = {k: record[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
-                  if k in record}
+        fields = {k: record[k] for k in GENERATE_FIELDS if k in record}
         engine.add_request(str(i), _line_prompt(engine, record, i + 1), SamplingParams(**{**defaults, **fields}))
         outputs[str(i)] = []
     with tqdm(total=len(records), desc="generate") as bar:
         while engine.has_unfinished():
             for out in engine.step():
                 outputs[out.request_id].extend(out.new_token_ids)
+                for entry in out.logprobs or []:  # [token id, logprob, [[id, logprob], ...]] per generated token
+                    logprobs.setdefault(out.request_id, []).append([entry.token_id, entry.logprob,
+                                                                    [list(t) for t in entry.top]])
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
                     bar.update(1)
@@ -169,8 +176,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for i, record in enumerate(records):
             ids = outputs[str(i)]
             text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else None
-            f.write(json.dumps({"index": i, "input": record, "text": text, "token_ids": ids,
-                                "finish_reason": reasons.get(str(i))}) + "\n")
+            line = {"index": i, "input": record, "text": text, "token_ids": ids, "finish_reason": reasons.get(str(i))}
+            if str(i) in logprobs:
+                line["logprobs"] = logprobs[str(i)]
+            f.write(json.dumps(line) + "\n")
     print(f"wrote {len(records)} completions to {args.output}")
     return 0
 
