@@ -14,6 +14,9 @@ class DenseAttentionContext:
     def __init__(self, seq_lens: list[int]) -> None:
         self.seq_lens = list(seq_lens)
 
+    def valid_tokens(self) -> None:  # never padded
+        return None
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if sum(self.seq_lens) != q.shape[0]:
             raise ValueError(f"seq_lens {self.seq_lens} do not add up to {q.shape[0]} tokens")

@@ -28,3 +28,29 @@ def test_fp16_moe_block_replays_in_a_cuda_graph(device):
         torch.cuda.synchronize()
         torch.testing.assert_close(captured, block(x), atol=2e-3, rtol=2e-3)
     assert eager.isfinite().all()
+
+
+def test_padding_rows_of_a_captured_block_route_to_no_expert(device):
+    """A mixed graph's padding rows (past ``valid_tokens``, which a replay may change) go to no expert: the real rows
+    equal an unpadded eager call, the padding rows come out zero even when their inputs hold NaN."""
+    torch.manual_seed(4)
+    block = SparseMoeBlock(64, 32, num_experts=8, top_k=2, renormalize=True).to(device=device, dtype=torch.float16)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.2)
+    x = torch.randn(12, 64, device=device, dtype=torch.float16)
+    valid = torch.tensor([9], dtype=torch.int32, device=device)
+    with torch.inference_mode():
+        block(x, valid)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = block(x, valid)
+        for real in (9, 5):
+            x.copy_(torch.randn_like(x))
+            x[real:] = float("nan")
+            valid.fill_(real)
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(captured[:real], block(x[:real].clone()), atol=2e-3, rtol=2e-3)
+            assert (captured[real:] == 0).all()

@@ -40,6 +40,7 @@ class AttentionMetadata:
     path: int
     base_bounds: torch.Tensor | None = None  # int32 [B, 2] for the structured path
     pair_mode: torch.Tensor | None = None  # uint8 [B, max_pairs] for the general path
+    padded: bool = False  # a mixed graph's step: the rows past query_start_loc[B] belong to no sequence
 
 
 class PagedAttentionContext:
@@ -48,6 +49,11 @@ class PagedAttentionContext:
         self.scale = scale
         self.ops = ops
         self.metadata: AttentionMetadata | None = None
+
+    def valid_tokens(self) -> torch.Tensor | None:
+        """[1] int32 on the device: how many leading rows are real tokens, when the step is padded (else None)."""
+        meta = self.metadata
+        return meta.query_start_loc[-1:] if meta is not None and meta.padded else None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.metadata

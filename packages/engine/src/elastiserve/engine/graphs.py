@@ -64,8 +64,8 @@ def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
 
     Padding is not free. A 1,024-token chunk beside a decode batch of 64 is a 1,088-token step; padded to the next
     power of two, 2,048, it took 75 ms from its graph on the H200 against 83 ms for a real 2,048-token chunk (static
-    fp16 Qwen3-30B-A3B, benchmarks/engine/results/h200-mixed-step-profile-run2), and its padding rows also route
-    through the MoE: all to the same eight experts, since they are one token at one position."""
+    fp16 Qwen3-30B-A3B, benchmarks/engine/results/h200-mixed-step-profile-run2). Its padding rows went through the
+    MoE then, all to the same experts; they now route to none (``AttentionMetadata.padded``, ``moe_experts``)."""
     sizes = [s for s in (MIXED_MIN_TOKENS, 2 * MIXED_MIN_TOKENS) if s < max_num_batched_tokens]
     size = 2 * MIXED_MIN_TOKENS
     while True:
@@ -171,7 +171,7 @@ class GraphRunner:
 
     def _capture(self, shape: StepShape, path: int) -> CapturedStep:
         r = self.runner
-        metadata = r.buffers.metadata_view(shape.tokens, shape.batch, shape.max_query_len, path)
+        metadata = r.buffers.metadata_view(shape.tokens, shape.batch, shape.max_query_len, path, padded=shape.mixed)
         r.forward(shape.tokens, metadata)  # warm-up: runs the step (kernels compile/autotune outside capture)
         torch.cuda.synchronize(r.device)
         graph = torch.cuda.CUDAGraph()

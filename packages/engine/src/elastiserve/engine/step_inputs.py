@@ -129,10 +129,11 @@ class InputBuffers:
                     modes[i, run[0] : run[1]] = 1
             self.pair_mode[:padded].copy_(modes, non_blocking=True)
         if padded_tokens is not None:
-            return self.metadata_view(padded_tokens, padded, padded_tokens, path)
+            return self.metadata_view(padded_tokens, padded, padded_tokens, path, padded=True)
         return self.metadata_view(qsl[-1], padded, max(inputs.query_lens), path)
 
-    def metadata_view(self, num_tokens: int, num_seqs: int, max_query_len: int, path: int) -> AttentionMetadata:
+    def metadata_view(self, num_tokens: int, num_seqs: int, max_query_len: int, path: int,
+                      padded: bool = False) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens],
             block_tables=self.block_tables[:num_seqs],
@@ -142,6 +143,7 @@ class InputBuffers:
             path=path,
             base_bounds=self.base_bounds[:num_seqs] if path in (STRUCTURED, STRUCTURED_SPLIT) else None,
             pair_mode=self.pair_mode[:num_seqs] if path == GENERAL else None,
+            padded=padded,
         )
 
     def reset_for_prefill(self, query_len: int) -> None:

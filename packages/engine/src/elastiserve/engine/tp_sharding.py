@@ -30,8 +30,8 @@ class AllReduce(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x)
+    def forward(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        out = self.inner(x, *args)
         dist.all_reduce(out)
         return out
 

@@ -132,6 +132,9 @@ class QualityContext:
     def __init__(self, kv: str = "exact", mask: torch.Tensor | None = None) -> None:
         self.kv, self.mask = kv, mask
 
+    def valid_tokens(self) -> None:  # one unpadded sequence
+        return None
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         if self.kv == "fp8":

@@ -29,7 +29,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if layer_idx in config.moe_layers:
+        self.is_moe = layer_idx in config.moe_layers
+        if self.is_moe:
             self.mlp: nn.Module = SparseMoeBlock(
                 config.hidden_size,
                 config.moe_intermediate_size,
@@ -57,6 +58,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
         hidden = self.self_attn(hidden, positions, rotary, ctx)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        if self.is_moe:  # padding rows of a padded step route to no expert
+            return self.mlp(hidden, ctx.valid_tokens()), residual
         return self.mlp(hidden), residual
 
 

@@ -51,6 +51,11 @@ class AttentionContext(Protocol):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
+    def valid_tokens(self) -> torch.Tensor | None:
+        """[1] int tensor: how many leading rows are real tokens, when the step is padded (a CUDA graph's
+        bucket); None when every row is."""
+        ...
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:

@@ -60,26 +60,34 @@ def moe_experts(
     w_gate_up: Any,
     w_down: Any,
     grouped_gemm: GroupedGemm = grouped_gemm_plain,
+    valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x[T, H]; returns [T, H] in x's dtype.
 
     ``w_gate_up`` / ``w_down``: stacked [E, N, K] tensors, or what ``grouped_gemm`` takes in their place (anything
-    with their ``shape``)."""
+    with their ``shape``). ``valid_tokens``: a [1] tensor; rows from it on (a padded step's padding) go to no expert
+    and come out zero. Padding rows are one token at one position, so they would all load the same top-k experts."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_gate_up.shape[0]
     flat_ids = topk_ids.reshape(-1)
+    if valid_tokens is not None:  # expert id E sorts last and lies past group_offsets[E]: no GEMM computes it
+        row_token = torch.arange(flat_ids.numel(), device=x.device) // top_k
+        flat_ids = torch.where(row_token < valid_tokens, flat_ids, num_experts)
     # A stable sort keeps each expert's rows in token order, which makes the result independent of the GEMM path.
     order = torch.argsort(flat_ids, stable=True)
     source_token = order // top_k
     # scatter_add rather than bincount: bincount reads max(ids) back to the host, which breaks CUDA graph capture.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
     group_offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
-    group_offsets[1:].scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    group_offsets[1:] = group_offsets[1:].cumsum(dim=0)
+    group_offsets[1:] = counts[:num_experts].cumsum(dim=0)
 
     x_sorted = x[source_token]
     hidden = silu_and_mul(grouped_gemm(x_sorted, w_gate_up, group_offsets))
     expert_out = grouped_gemm(hidden, w_down, group_offsets)
     weighted = expert_out.float() * topk_weights.reshape(-1)[order].unsqueeze(-1)
+    if valid_tokens is not None:  # the GEMMs left the dropped rows unwritten: whatever is there must not spread
+        weighted = weighted.masked_fill((flat_ids[order] == num_experts).unsqueeze(-1), 0.0)
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, source_token, weighted)
     return out.to(x.dtype)
@@ -100,6 +108,6 @@ class SparseMoeBlock(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.grouped_gemm: GroupedGemm = grouped_gemm_plain
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_tokens: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = route_topk(self.gate(x), self.top_k, self.renormalize)
-        return moe_experts(x, topk_ids, topk_weights, self.w_gate_up, self.w_down, self.grouped_gemm)
+        return moe_experts(x, topk_ids, topk_weights, self.w_gate_up, self.w_down, self.grouped_gemm, valid_tokens)
