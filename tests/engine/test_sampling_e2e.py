@@ -140,3 +140,26 @@ def test_prompt_logprobs_across_chunks_and_scoring_only():
             for token_id, logprob in entries[k].top:
                 assert logprob == pytest.approx(expected[k - 1, token_id].item(), abs=2e-2)
     assert firsts["gen"].prompt_logprobs is not None and finals["gen"].prompt_logprobs is None  # sent once
+
+
+def test_prompt_rows_skip_what_an_earlier_pass_scored():
+    """After a preemption the prompt is prefilled again from token 0; rows whose targets already have a logprob are
+    not scored twice, and the rows of a chunk that ends inside the prompt stop at the prompt's last token."""
+    from elastiserve.engine.kv_manager import FlatBlockPool, KVManager
+    from elastiserve.engine.outputs import TokenLogprob
+    from elastiserve.engine.scheduler import ScheduledBatch
+    from elastiserve.engine.sequence import Sequence, SequenceMetrics
+    from elastiserve.engine.step_inputs import gather_step_inputs
+
+    kv = KVManager(FlatBlockPool(64), 4, num_host_slots=0)
+    prompt = list(range(10, 22))  # 12 tokens
+    other = Sequence("plain", list(range(5)), 5, SamplingParams(), SequenceMetrics(0.0))
+    seq = Sequence("scored", prompt + [99], 12, SamplingParams(prompt_logprobs=1), SequenceMetrics(0.0))
+    seq.prompt_logprobs = [TokenLogprob(10, None)] + [TokenLogprob(t, -1.0) for t in prompt[1:7]]  # 1..6 scored
+    assert kv.allocate(other, 5) and kv.allocate(seq, 13)
+    batch = ScheduledBatch(seqs=[other, seq], num_new_tokens=[5, 13])  # recompute: the whole prompt and token 99
+    inputs = gather_step_inputs(batch, kv)
+    # rows 6..10 of seq predict prompt tokens 7..11; seq's rows start after other's 5 tokens
+    assert inputs.prompt_rows == [(1, 5 + 6, prompt[7:12], 1)]
+    seq.prompt_logprobs += [TokenLogprob(t, -1.0) for t in prompt[7:]]
+    assert gather_step_inputs(batch, kv).prompt_rows == []  # all scored
