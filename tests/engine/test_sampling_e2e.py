@@ -154,7 +154,7 @@ def test_prompt_rows_skip_what_an_earlier_pass_scored():
     kv = KVManager(FlatBlockPool(64), 4, num_host_slots=0)
     prompt = list(range(10, 22))  # 12 tokens
     other = Sequence("plain", list(range(5)), 5, SamplingParams(), SequenceMetrics(0.0))
-    seq = Sequence("scored", prompt + [99], 12, SamplingParams(prompt_logprobs=1), SequenceMetrics(0.0))
+    seq = Sequence("scored", [*prompt, 99], 12, SamplingParams(prompt_logprobs=1), SequenceMetrics(0.0))
     seq.prompt_logprobs = [TokenLogprob(10, None)] + [TokenLogprob(t, -1.0) for t in prompt[1:7]]  # 1..6 scored
     assert kv.allocate(other, 5) and kv.allocate(seq, 13)
     batch = ScheduledBatch(seqs=[other, seq], num_new_tokens=[5, 13])  # recompute: the whole prompt and token 99
