@@ -184,6 +184,32 @@ def test_echo_with_logprobs_scores_the_prompt(served):
     assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.tokens == lp.tokens
 
 
+def test_n_choices_stream_and_non_stream(served):
+    """``n`` choices: one engine request each (seeds seed, seed + 1, ...), indices 0..n-1, usage summed; a stream
+    interleaves them, each choice closed by its own finish reason, with the texts of the full response."""
+    args = dict(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=11, n=3,
+                extra_body={"ignore_eos": True})
+    full = served.client.completions.create(**args)
+    assert [c.index for c in full.choices] == [0, 1, 2] and full.usage.completion_tokens == 15
+    assert all(c.finish_reason == "length" for c in full.choices)
+    again = served.client.completions.create(**args)
+    assert [c.text for c in again.choices] == [c.text for c in full.choices]  # seeded choices reproduce
+    if not isinstance(served.engine, FakeEngine):
+        assert len({c.text for c in full.choices}) > 1  # different seeds, different samples
+    texts, finishes = {0: "", 1: "", 2: ""}, {}
+    for chunk in served.client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in full.choices} and finishes == {0: "length", 1: "length", 2: "length"}
+    chat = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=3, n=2, temperature=0.0)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == \
+        chat.choices[1].message.content  # greedy: the same twice
+    assert served.wait_idle()
+
+
 def test_chat_stream_and_non_stream(served):
     messages = [{"role": "user", "content": "Say hello."}]
     full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)
@@ -208,7 +234,8 @@ def test_chat_stream_and_non_stream(served):
         ({"model": MODEL, "prompt": "hi", "temperature": -1.0}, None),
         ({"model": MODEL, "prompt": "hi", "top_p": 0.0}, None),
         ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+        ({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
         ({"model": MODEL, "prompt": 5}, "prompt"),
         ({"model": MODEL, "prompt": "hi " * 400, "max_tokens": 4}, "max_tokens"),
         ({"model": MODEL}, "prompt"),
@@ -237,14 +264,14 @@ def test_malformed_json_and_bad_chat_get_400(served):
     status, payload = post_raw(served.url, "/v1/chat/completions", bad_chat)
     assert status == 400 and payload["error"]["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as info:
-        served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
-    assert info.value.status_code == 400 and "n=1" in str(info.value)
+        served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=65)
+    assert info.value.status_code == 400 and "'n'" in str(info.value)
     no_flag = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).encode()
     status, payload = post_raw(served.url, "/v1/chat/completions", no_flag)
     assert status == 400 and payload["error"]["param"] == "top_logprobs"
 
 
-def open_stream(url, max_tokens):
+def open_stream(url, max_tokens, n=1):
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     body = {
@@ -254,14 +281,16 @@ def open_stream(url, max_tokens):
         "stream": True,
         "ignore_eos": True,
         "temperature": 0.0,
+        "n": n,
     }
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     return conn, conn.getresponse()
 
 
-def test_client_disconnect_mid_stream_frees_blocks(served):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_mid_stream_frees_blocks(served, n):
     assert served.wait_idle()
-    conn, resp = open_stream(served.url, max_tokens=200)
+    conn, resp = open_stream(served.url, max_tokens=200, n=n)
     assert resp.status == 200
     assert resp.read(7) == b"data: {"  # read() undoes the chunked transfer encoding
     assert served.on_engine(served.engine.has_unfinished)  # still generating when we leave

@@ -1,7 +1,7 @@
 """OpenAI request parsing and response bodies, with no I/O: the server turns JSON into a `ParsedRequest` here.
 
 Every user mistake raises `BadRequest` carrying the OpenAI error fields (message, param, code); the server answers it
-with HTTP 400. Only ``n == 1`` is served.
+with HTTP 400. ``n`` choices are served (up to ``MAX_N``); ``best_of`` is only accepted equal to ``n``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class ParsedRequest:
     echo: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # keyword arguments for SamplingParams
     stop: tuple[str, ...] = ()
+    n: int = 1  # choices, each its own engine request
 
     @property
     def max_tokens(self) -> int:
@@ -113,13 +114,19 @@ def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, 
     return sampling
 
 
-def _check_n(body: dict) -> None:
+MAX_N = 64  # choices per request
+
+
+def _parse_n(body: dict) -> int:
     n = _integer(body, "n")
-    if n is not None and n != 1:
-        raise BadRequest(f"only n=1 is supported, got n={n}", param="n", code="unsupported_value")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"'n' must be between 1 and {MAX_N}, got {n}", param="n")
     best_of = _integer(body, "best_of")
-    if best_of is not None and best_of != 1:
-        raise BadRequest(f"only best_of=1 is supported, got {best_of}", param="best_of", code="unsupported_value")
+    if best_of is not None and best_of != n:
+        raise BadRequest(f"best_of={best_of} is not supported: only best_of equal to n ({n}), which ranks nothing",
+                         param="best_of", code="unsupported_value")
+    return n
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -153,7 +160,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     elif not isinstance(prompt, str):
         raise BadRequest("'prompt' is required and must be a string or a list of token ids", param="prompt",
                          code="invalid_type")
-    _check_n(body)
+    n = _parse_n(body)
     stream, include_usage = _stream_flags(body)
     echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
     sampling = _parse_sampling(body, ("max_tokens",))
@@ -163,7 +170,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     if sampling.get("max_tokens") == 0 and "prompt_logprobs" not in sampling:
         raise BadRequest("'max_tokens' 0 only scores the prompt: it needs 'echo' with 'logprobs'", param="max_tokens")
     return ParsedRequest("completion", model, prompt=prompt, stream=stream, include_usage=include_usage, echo=echo,
-                         sampling=sampling, stop=_parse_stop(body))
+                         sampling=sampling, stop=_parse_stop(body), n=n)
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI's completions allow 5, its chat 20)
@@ -206,7 +213,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise BadRequest("the request body must be a JSON object")
     model = _require_model(body)
     messages = _parse_messages(body)
-    _check_n(body)
+    n = _parse_n(body)
     stream, include_usage = _stream_flags(body)
     sampling = _parse_sampling(body, ("max_completion_tokens", "max_tokens"))
     if sampling.get("max_tokens") == 0:
@@ -218,7 +225,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     if wants:
         _set_logprobs(sampling, top or 0, "top_logprobs")
     return ParsedRequest("chat", model, messages=messages, stream=stream, include_usage=include_usage,
-                         sampling=sampling, stop=_parse_stop(body))
+                         sampling=sampling, stop=_parse_stop(body), n=n)
 
 
 def new_id(kind: str) -> str:
@@ -231,19 +238,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chunk_body(req: ParsedRequest, request_id: str, created: int, text: str | None,
-               finish_reason: str | None, first: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
-    """One streamed chunk; ``text`` None with a finish reason closes the choice."""
+def chunk_body(req: ParsedRequest, request_id: str, created: int, text: str | None, finish_reason: str | None,
+               first: bool = False, logprobs: dict | None = None, index: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice ``index``; ``text`` None with a finish reason closes the choice."""
     if req.kind == "chat":
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     body = {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
     if req.include_usage:
@@ -258,16 +265,18 @@ def usage_chunk(req: ParsedRequest, request_id: str, created: int, prompt_tokens
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def full_body(req: ParsedRequest, request_id: str, text: str, finish_reason: str | None, prompt_tokens: int,
-              completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
+def full_body(req: ParsedRequest, request_id: str, choices: list[tuple[str, str | None, dict | None]],
+              prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The whole response; ``choices``: (text, finish reason, logprobs object) per choice, in index order."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+        bodies = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                   "finish_reason": finish_reason} for i, (text, finish_reason, logprobs) in enumerate(choices)]
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        bodies = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                  for i, (text, finish_reason, logprobs) in enumerate(choices)]
         obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": int(time.time()), "model": req.model, "choices": [choice],
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": req.model, "choices": bodies,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 

@@ -14,28 +14,18 @@ import hmac
 import json
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from elastiserve.engine import protocol
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
-from elastiserve.engine.metrics_prom import ServerMetrics
-from elastiserve.engine.protocol import BadRequest, ParsedRequest, TextStream, eos_token_ids, error_body
-from elastiserve.engine.tokenizer import StopChecker
+from elastiserve.engine.protocol import BadRequest, eos_token_ids, error_body
+from elastiserve.engine.server_generation import STATE_KEY, ServerState, default_params_factory, handle_generation
 
 log = logging.getLogger(__name__)
-STATE_KEY: web.AppKey[ServerState] = web.AppKey("elastiserve_state")
-
-
-def default_params_factory(**kwargs: Any) -> Any:
-    from elastiserve.engine.sampling import SamplingParams
-
-    return SamplingParams(**kwargs)
 
 
 def engine_limits(engine: Any, tokenizer: Any) -> tuple[int, int]:
@@ -47,19 +37,6 @@ def engine_limits(engine: Any, tokenizer: Any) -> tuple[int, int]:
     if not max_len or not vocab:
         raise ValueError("the engine exposes no max_model_len / vocab_size; pass them to build_app")
     return int(max_len), int(vocab)
-
-
-@dataclass
-class ServerState:
-    engine: AsyncEngine
-    tokenizer: Any
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    api_key: str | None = None
-    params_factory: Callable[..., Any] = default_params_factory
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    eos_ids: frozenset[int] = frozenset()
 
 
 def json_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -94,194 +71,6 @@ async def read_json(request: web.Request) -> Any:
         return json.loads(await request.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from exc
-
-
-def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[int]:
-    if req.kind == "chat":
-        try:  # templates reject some conversations (roles out of order, ...) with a ValueError
-            rendered = state.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-        except ValueError as exc:
-            raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
-        return list(rendered) if not isinstance(rendered, str) else list(state.tokenizer.encode(rendered))
-    if isinstance(req.prompt, list):
-        bad = [t for t in req.prompt if not 0 <= t < state.vocab_size]
-        if bad:
-            raise BadRequest(f"prompt token ids out of range [0, {state.vocab_size}): {bad[:5]}", param="prompt")
-        return list(req.prompt)
-    return list(state.tokenizer.encode(req.prompt))
-
-
-def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
-    if req.model != state.model_name:
-        raise BadRequest(f"model {req.model!r} does not exist; this server serves {state.model_name!r}",
-                         param="model", code="model_not_found")
-    if prompt_len == 0:
-        raise BadRequest("the prompt is empty", param="prompt")
-    if prompt_len + req.max_tokens > state.max_model_len:
-        raise BadRequest(f"this model's maximum context length is {state.max_model_len} tokens; the request has "
-                         f"{prompt_len} prompt tokens and asks for {req.max_tokens} more", param="max_tokens",
-                         code="context_length_exceeded")
-    try:
-        params = state.params_factory(**req.sampling, stop=req.stop)
-        if hasattr(params, "validate"):
-            params.validate(state.vocab_size, state.max_model_len, prompt_len)
-    except (ValueError, TypeError) as exc:  # InvalidRequest is a ValueError
-        raise BadRequest(str(exc)) from exc
-    return params
-
-
-class RequestRun:
-    """Timing, text and stop handling of one request as its outputs arrive."""
-
-    def __init__(self, state: ServerState, req: ParsedRequest, prompt_len: int) -> None:
-        self.state, self.req, self.prompt_len = state, req, prompt_len
-        self.text = TextStream(state.tokenizer, state.eos_ids)
-        self.stops = StopChecker(req.stop)
-        self.start = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.num_output_tokens = 0
-        self.finish_reason: str | None = None
-        self.queue_s: float | None = None
-        self.pending_logprobs: list[Any] = []  # TokenLogprobs not yet sent
-        self.prompt_logprobs_taken = False  # an echoed stream sends the prompt's with the echo chunk
-        self.text_offset = 0  # completions' logprobs: where the next token's text starts in the choice's text
-
-    def feed(self, output: Any) -> str:
-        """New text that is safe to send; sets ``finish_reason`` when the request ends (engine or stop string)."""
-        now = time.perf_counter()
-        new_ids = list(output.new_token_ids)
-        self.take_prompt(output)
-        self.pending_logprobs += getattr(output, "logprobs", None) or []
-        if new_ids:
-            self.first_token_at = self.first_token_at or now
-            self.last_token_at = now
-            self.num_output_tokens += len(new_ids)
-        if self.queue_s is None:
-            self.queue_s = queue_time(getattr(output, "metrics", None))
-        delta = self.text.add(new_ids, final=bool(output.finished))
-        text, stopped = self.stops.feed(delta, final=bool(output.finished))
-        if stopped:
-            self.finish_reason = "stop"
-        elif output.finished:
-            self.finish_reason = output.finish_reason or "stop"
-            if self.finish_reason == "abort":
-                self.finish_reason = "stop"
-        return text
-
-    def take_prompt(self, output: Any) -> None:
-        """Queue the prompt's logprobs (echo with logprobs) ahead of the generated tokens', once."""
-        prompt = getattr(output, "prompt_logprobs", None)
-        if prompt and not self.prompt_logprobs_taken:
-            self.pending_logprobs += prompt
-            self.prompt_logprobs_taken = True
-
-    def take_logprobs(self) -> dict | None:
-        """The logprobs object of the tokens fed since the last call (None if there are none or none were asked)."""
-        if not self.pending_logprobs:
-            return None
-        decode = self.state.tokenizer.decode
-        body = protocol.logprobs_body(self.req, self.pending_logprobs, lambda token_id: decode([token_id]),
-                                      self.text_offset)
-        if body is not None and "tokens" in body:
-            self.text_offset += sum(len(t) for t in body["tokens"])
-        self.pending_logprobs = []
-        return body
-
-    def record(self) -> None:
-        m = self.state.metrics
-        ttft = self.first_token_at - self.start if self.first_token_at else None
-        tpot = None
-        if self.num_output_tokens > 1 and self.first_token_at and self.last_token_at:
-            tpot = (self.last_token_at - self.first_token_at) / (self.num_output_tokens - 1)
-        m.observe_request(ttft_s=ttft, tpot_s=tpot, queue_s=self.queue_s, e2e_s=time.perf_counter() - self.start,
-                          prompt_tokens=self.prompt_len, output_tokens=self.num_output_tokens)
-
-
-def queue_time(metrics: Any) -> float | None:
-    """Seconds from arrival to first scheduling, from a ``SequenceMetrics`` (None until it was scheduled)."""
-    if metrics is None:
-        return None
-    arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
-    if arrival is None or scheduled is None:
-        return None
-    return float(scheduled) - float(arrival)
-
-
-def sse(payload: Any) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
-
-
-async def handle_generation(request: web.Request, req: ParsedRequest) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
-    prompt_ids = prompt_ids_of(state, req)
-    params = make_params(state, req, len(prompt_ids))
-    request_id = protocol.new_id(req.kind)
-    state.metrics.count("requests_total")
-    run = RequestRun(state, req, len(prompt_ids))
-    outputs = state.engine.generate(request_id, prompt_ids, params)
-    async with contextlib.aclosing(outputs):
-        try:
-            first = await anext(outputs)  # add_request errors surface here, before any byte is sent
-        except (ValueError, TypeError) as exc:
-            raise BadRequest(str(exc)) from exc
-        if req.stream:
-            return await stream_response(request, run, request_id, first, outputs)
-        pieces = [prompt_text(state, req)] if req.echo else []
-        output = first
-        while True:
-            pieces.append(run.feed(output))
-            if run.finish_reason is not None:
-                break
-            output = await anext(outputs)
-    run.record()
-    body = protocol.full_body(req, request_id, "".join(pieces), run.finish_reason, run.prompt_len,
-                              run.num_output_tokens, run.take_logprobs())
-    return web.json_response(body)
-
-
-def prompt_text(state: ServerState, req: ParsedRequest) -> str:
-    return req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(list(req.prompt or []))
-
-
-async def stream_response(request: web.Request, run: RequestRun, request_id: str, first: Any,
-                          outputs: Any) -> web.StreamResponse:
-    req, state = run.req, run.state
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    created = int(time.time())
-    if req.kind == "chat":
-        await response.write(sse(protocol.chunk_body(req, request_id, created, "", None, first=True)))
-    elif req.echo:
-        run.take_prompt(first)  # the first output carries the prompt's logprobs: they go with the prompt's text
-        await response.write(sse(protocol.chunk_body(req, request_id, created, prompt_text(state, req), None,
-                                                     logprobs=run.take_logprobs())))
-    output = first
-    try:
-        while True:
-            text = run.feed(output)
-            if text:
-                await response.write(sse(protocol.chunk_body(req, request_id, created, text, None,
-                                                             logprobs=run.take_logprobs())))
-            if run.finish_reason is not None:
-                break
-            output = await anext(outputs)
-    except EngineStepFailed as exc:
-        state.metrics.count("requests_failed_total")
-        await response.write(sse(error_body(str(exc), "internal_server_error")))
-        await response.write(b"data: [DONE]\n\n")
-        return response
-    except (ConnectionError, asyncio.CancelledError):
-        state.metrics.count("requests_aborted_total")
-        raise
-    await response.write(sse(protocol.chunk_body(req, request_id, created, None, run.finish_reason,
-                                                 logprobs=run.take_logprobs())))
-    if req.include_usage:
-        await response.write(sse(protocol.usage_chunk(req, request_id, created, run.prompt_len,
-                                                      run.num_output_tokens)))
-    await response.write(b"data: [DONE]\n\n")
-    run.record()
-    return response
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

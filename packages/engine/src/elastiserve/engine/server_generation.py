@@ -1,0 +1,273 @@
+"""One completion or chat request on the server: prompt and parameters checked, the engine request(s) run, and the
+answer written as one JSON body or as server-sent events. With ``n`` > 1 the choices are ``n`` engine requests (seeds
+``seed``, ``seed + 1``, ... when a seed is given) that run side by side; their chunks interleave in a stream, each
+with its choice index, and a client that leaves aborts all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from elastiserve.engine import protocol
+from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
+from elastiserve.engine.metrics_prom import ServerMetrics
+from elastiserve.engine.protocol import BadRequest, ParsedRequest, TextStream, error_body
+from elastiserve.engine.tokenizer import StopChecker
+
+STATE_KEY: web.AppKey[ServerState] = web.AppKey("elastiserve_state")
+
+
+def default_params_factory(**kwargs: Any) -> Any:
+    from elastiserve.engine.sampling import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None = None
+    params_factory: Callable[..., Any] = default_params_factory
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    eos_ids: frozenset[int] = frozenset()
+
+
+def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[int]:
+    if req.kind == "chat":
+        try:  # templates reject some conversations (roles out of order, ...) with a ValueError
+            rendered = state.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+        return list(rendered) if not isinstance(rendered, str) else list(state.tokenizer.encode(rendered))
+    if isinstance(req.prompt, list):
+        bad = [t for t in req.prompt if not 0 <= t < state.vocab_size]
+        if bad:
+            raise BadRequest(f"prompt token ids out of range [0, {state.vocab_size}): {bad[:5]}", param="prompt")
+        return list(req.prompt)
+    return list(state.tokenizer.encode(req.prompt))
+
+
+def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
+    if req.model != state.model_name:
+        raise BadRequest(f"model {req.model!r} does not exist; this server serves {state.model_name!r}",
+                         param="model", code="model_not_found")
+    if prompt_len == 0:
+        raise BadRequest("the prompt is empty", param="prompt")
+    if prompt_len + req.max_tokens > state.max_model_len:
+        raise BadRequest(f"this model's maximum context length is {state.max_model_len} tokens; the request has "
+                         f"{prompt_len} prompt tokens and asks for {req.max_tokens} more", param="max_tokens",
+                         code="context_length_exceeded")
+    try:
+        params = state.params_factory(**req.sampling, stop=req.stop)
+        if hasattr(params, "validate"):
+            params.validate(state.vocab_size, state.max_model_len, prompt_len)
+    except (ValueError, TypeError) as exc:  # InvalidRequest is a ValueError
+        raise BadRequest(str(exc)) from exc
+    return params
+
+
+class RequestRun:
+    """Timing, text and stop handling of one request as its outputs arrive."""
+
+    def __init__(self, state: ServerState, req: ParsedRequest, prompt_len: int, index: int = 0) -> None:
+        self.state, self.req, self.prompt_len, self.index = state, req, prompt_len, index
+        self.text = TextStream(state.tokenizer, state.eos_ids)
+        self.stops = StopChecker(req.stop)
+        self.start = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self.queue_s: float | None = None
+        self.pending_logprobs: list[Any] = []  # TokenLogprobs not yet sent
+        self.prompt_logprobs_taken = False  # an echoed stream sends the prompt's with the echo chunk
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts in the choice's text
+
+    def feed(self, output: Any) -> str:
+        """New text that is safe to send; sets ``finish_reason`` when the request ends (engine or stop string)."""
+        now = time.perf_counter()
+        new_ids = list(output.new_token_ids)
+        self.take_prompt(output)
+        self.pending_logprobs += getattr(output, "logprobs", None) or []
+        if new_ids:
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+            self.num_output_tokens += len(new_ids)
+        if self.queue_s is None:
+            self.queue_s = queue_time(getattr(output, "metrics", None))
+        delta = self.text.add(new_ids, final=bool(output.finished))
+        text, stopped = self.stops.feed(delta, final=bool(output.finished))
+        if stopped:
+            self.finish_reason = "stop"
+        elif output.finished:
+            self.finish_reason = output.finish_reason or "stop"
+            if self.finish_reason == "abort":
+                self.finish_reason = "stop"
+        return text
+
+    def take_prompt(self, output: Any) -> None:
+        """Queue the prompt's logprobs (echo with logprobs) ahead of the generated tokens', once."""
+        prompt = getattr(output, "prompt_logprobs", None)
+        if prompt and not self.prompt_logprobs_taken:
+            self.pending_logprobs += prompt
+            self.prompt_logprobs_taken = True
+
+    def take_logprobs(self) -> dict | None:
+        """The logprobs object of the tokens fed since the last call (None if there are none or none were asked)."""
+        if not self.pending_logprobs:
+            return None
+        decode = self.state.tokenizer.decode
+        body = protocol.logprobs_body(self.req, self.pending_logprobs, lambda token_id: decode([token_id]),
+                                      self.text_offset)
+        if body is not None and "tokens" in body:
+            self.text_offset += sum(len(t) for t in body["tokens"])
+        self.pending_logprobs = []
+        return body
+
+    def record(self) -> None:
+        m = self.state.metrics
+        ttft = self.first_token_at - self.start if self.first_token_at else None
+        tpot = None
+        if self.num_output_tokens > 1 and self.first_token_at and self.last_token_at:
+            tpot = (self.last_token_at - self.first_token_at) / (self.num_output_tokens - 1)
+        m.observe_request(ttft_s=ttft, tpot_s=tpot, queue_s=self.queue_s, e2e_s=time.perf_counter() - self.start,
+                          prompt_tokens=self.prompt_len, output_tokens=self.num_output_tokens)
+
+
+def queue_time(metrics: Any) -> float | None:
+    """Seconds from arrival to first scheduling, from a ``SequenceMetrics`` (None until it was scheduled)."""
+    if metrics is None:
+        return None
+    arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
+    if arrival is None or scheduled is None:
+        return None
+    return float(scheduled) - float(arrival)
+
+
+def sse(payload: Any) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+async def handle_generation(request: web.Request, req: ParsedRequest) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    prompt_ids = prompt_ids_of(state, req)
+    params = make_params(state, req, len(prompt_ids))
+    request_id = protocol.new_id(req.kind)
+    state.metrics.count("requests_total")
+    runs = [RequestRun(state, req, len(prompt_ids), index=i) for i in range(req.n)]
+    async with contextlib.AsyncExitStack() as stack:
+        ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
+        outputs = [await stack.enter_async_context(contextlib.aclosing(
+            state.engine.generate(choice_id, prompt_ids, choice_params(params, i)))) for i, choice_id in enumerate(ids)]
+        try:  # add_request errors surface here, before any byte is sent; all choices start together
+            firsts = await asyncio.gather(*(anext(out) for out in outputs))
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(str(exc)) from exc
+        if req.stream:
+            return await stream_response(request, runs, request_id, firsts, outputs)
+        texts = await asyncio.gather(*(collect(run, first, out) for run, first, out in zip(runs, firsts, outputs)))
+    for run in runs:
+        run.record()
+    echo = prompt_text(state, req) if req.echo else ""
+    choices = [(echo + text, run.finish_reason, run.take_logprobs()) for run, text in zip(runs, texts)]
+    body = protocol.full_body(req, request_id, choices, runs[0].prompt_len, sum(r.num_output_tokens for r in runs))
+    return web.json_response(body)
+
+
+def choice_params(params: Any, index: int) -> Any:
+    """Choice ``index``'s parameters: a seeded request's choices draw from seeds ``seed + index``."""
+    if index == 0 or getattr(params, "seed", None) is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+async def collect(run: RequestRun, output: Any, outputs: Any) -> str:
+    pieces = []
+    while True:
+        pieces.append(run.feed(output))
+        if run.finish_reason is not None:
+            return "".join(pieces)
+        output = await anext(outputs)
+
+
+def prompt_text(state: ServerState, req: ParsedRequest) -> str:
+    return req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(list(req.prompt or []))
+
+
+async def stream_response(request: web.Request, runs: list[RequestRun], request_id: str, firsts: list[Any],
+                          outputs: list[Any]) -> web.StreamResponse:
+    req, state = runs[0].req, runs[0].state
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    created = int(time.time())
+    for run, first in zip(runs, firsts):
+        if req.kind == "chat":
+            await response.write(sse(protocol.chunk_body(req, request_id, created, "", None, first=True,
+                                                         index=run.index)))
+        elif req.echo:
+            run.take_prompt(first)  # the first output carries the prompt's logprobs: they go with the prompt's text
+            await response.write(sse(protocol.chunk_body(req, request_id, created, prompt_text(state, req), None,
+                                                         logprobs=run.take_logprobs(), index=run.index)))
+    queue: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.create_task(pump(i, first, out, queue)) for i, (first, out) in enumerate(zip(firsts, outputs))]
+    try:
+        remaining = len(runs)
+        while remaining:
+            i, output = await queue.get()
+            if isinstance(output, BaseException):
+                raise output
+            run = runs[i]
+            text = run.feed(output)
+            if text:
+                await response.write(sse(protocol.chunk_body(req, request_id, created, text, None,
+                                                             logprobs=run.take_logprobs(), index=i)))
+            if run.finish_reason is not None:
+                remaining -= 1
+                await response.write(sse(protocol.chunk_body(req, request_id, created, None, run.finish_reason,
+                                                             logprobs=run.take_logprobs(), index=i)))
+    except EngineStepFailed as exc:
+        state.metrics.count("requests_failed_total")
+        await response.write(sse(error_body(str(exc), "internal_server_error")))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+    except (ConnectionError, asyncio.CancelledError):
+        state.metrics.count("requests_aborted_total")
+        raise
+    finally:
+        for task in pumps:  # a client that left, or a failed choice: the others stop too (and abort on the engine)
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    if req.include_usage:
+        await response.write(sse(protocol.usage_chunk(req, request_id, created, runs[0].prompt_len,
+                                                      sum(r.num_output_tokens for r in runs))))
+    await response.write(b"data: [DONE]\n\n")
+    for run in runs:
+        run.record()
+    return response
+
+
+async def pump(index: int, first: Any, outputs: Any, queue: asyncio.Queue) -> None:
+    """Choice ``index``'s outputs into the shared queue, ending at its finished one (or an error)."""
+    try:
+        output = first
+        await queue.put((index, output))
+        while not output.finished:
+            output = await anext(outputs)
+            await queue.put((index, output))
+    except StopAsyncIteration:
+        return
+    except Exception as exc:  # an engine failure ends the stream; the main loop raises it
+        await queue.put((index, exc))
