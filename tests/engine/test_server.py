@@ -334,14 +334,17 @@ def test_stop_strings_and_multibyte_streaming(fake_served):
     assert fake_served.wait_idle()
 
 
-def test_engine_failure_fails_requests_not_server(fake_served):
+@pytest.mark.parametrize("n", [1, 2])
+def test_engine_failure_fails_requests_not_server(fake_served, n):
     assert fake_served.wait_idle()
+    errors = fake_served.async_engine.step_errors
     fake_served.engine.fail_next_step = True
     with pytest.raises(openai.InternalServerError):
-        fake_served.client.completions.create(model=MODEL, prompt="x", max_tokens=3)
-    out = fake_served.client.completions.create(model=MODEL, prompt="x", max_tokens=3)
-    assert out.choices[0].text == SCRIPT[:3]
-    assert fake_served.async_engine.step_errors == 1
+        fake_served.client.completions.create(model=MODEL, prompt="x", max_tokens=3, n=n)
+    assert fake_served.wait_idle()  # no choice is left running
+    out = fake_served.client.completions.create(model=MODEL, prompt="x", max_tokens=3, n=n)
+    assert [c.text for c in out.choices] == [SCRIPT[:3]] * n
+    assert fake_served.async_engine.step_errors == errors + 1
 
 
 def test_overload_queues_and_all_complete():

@@ -173,18 +173,30 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
         outputs = [await stack.enter_async_context(contextlib.aclosing(
             state.engine.generate(choice_id, prompt_ids, choice_params(params, i)))) for i, choice_id in enumerate(ids)]
         try:  # add_request errors surface here, before any byte is sent; all choices start together
-            firsts = await asyncio.gather(*(anext(out) for out in outputs))
+            firsts = await gather_or_cancel(anext(out) for out in outputs)
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc)) from exc
         if req.stream:
             return await stream_response(request, runs, request_id, firsts, outputs)
-        texts = await asyncio.gather(*(collect(run, first, out) for run, first, out in zip(runs, firsts, outputs)))
+        texts = await gather_or_cancel(collect(run, first, out) for run, first, out in zip(runs, firsts, outputs))
     for run in runs:
         run.record()
     echo = prompt_text(state, req) if req.echo else ""
     choices = [(echo + text, run.finish_reason, run.take_logprobs()) for run, text in zip(runs, texts)]
     body = protocol.full_body(req, request_id, choices, runs[0].prompt_len, sum(r.num_output_tokens for r in runs))
     return web.json_response(body)
+
+
+async def gather_or_cancel(coroutines: Any) -> list[Any]:
+    """``asyncio.gather`` that also stops the other choices when one fails, so that none is still inside its engine
+    stream when the streams are closed (and aborted) on the way out."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def choice_params(params: Any, index: int) -> Any:
