@@ -24,7 +24,17 @@ def small_llama_config(num_layers: int, max_positions: int) -> transformers.Llam
     )  # fmt: skip
 
 
-def random_fp16_model(config: transformers.LlamaConfig, device: str = "cpu", scale: float = 0.05):
+def small_moe_config(num_layers: int, max_positions: int) -> transformers.Qwen3MoeConfig:
+    """``small_llama_config``'s shapes as a Qwen3-MoE: 8 experts of 32, top 2, every layer sparse."""
+    return transformers.Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=max_positions, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def random_fp16_model(config: transformers.PretrainedConfig, device: str = "cpu", scale: float = 0.05):
     """An engine model of ``config`` with seeded random fp16 weights of standard deviation ``scale``."""
     import torch
 
@@ -32,6 +42,7 @@ def random_fp16_model(config: transformers.LlamaConfig, device: str = "cpu", sca
 
     model = build_model(config.to_dict(), dtype=torch.float16, device=device)
     torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config)  # only its tensor names and shapes
     model.load_weights((n, (torch.randn_like(t, dtype=torch.float32) * scale).half())
-                       for n, t in transformers.LlamaForCausalLM(config).state_dict().items())
+                       for n, t in reference.state_dict().items())
     return model
