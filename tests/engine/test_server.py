@@ -112,11 +112,10 @@ def test_completion_stream_equals_non_stream(served):
     assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
 
 
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)  # the fake engine has no sampler
 def test_penalties_reach_the_sampler(served):
     """Greedy SmolLM2 repeats itself on this prompt ("-to-many-to-many"); with penalties (OpenAI's fields and vLLM's
     repetition_penalty, as an extra body field) it repeats fewer tokens."""
-    if isinstance(served.engine, FakeEngine):
-        pytest.skip("the fake engine replays a script: it has no sampler to penalise")
     args = dict(model=MODEL, prompt="one-to-one, one-to-many, many", max_tokens=10, temperature=0.0,
                 extra_body={"ignore_eos": True})
     plain = served.client.completions.create(**args).choices[0].text
@@ -129,12 +128,11 @@ def test_penalties_reach_the_sampler(served):
     assert len(set(penalised_ids)) > len(set(plain_ids)), (plain, penalised)
 
 
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)  # the fake engine has no sampler
 def test_logprobs_completions_and_chat(served):
     """Completions: ``logprobs`` N gives tokens, their logprobs, N alternatives each and text offsets, equal between
     a stream and a full response; chat: ``logprobs`` with ``top_logprobs``. The sampled token's logprob is at most
     the best alternative's, and a token's text is its piece of the output."""
-    if isinstance(served.engine, FakeEngine):
-        pytest.skip("the fake engine replays a script: it computes no logprobs")
     args = dict(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0.0, logprobs=3,
                 extra_body={"ignore_eos": True})
     full = served.client.completions.create(**args).choices[0]
@@ -158,12 +156,11 @@ def test_logprobs_completions_and_chat(served):
     assert plain.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)  # the fake engine has no sampler
 def test_echo_with_logprobs_scores_the_prompt(served):
     """lm-eval's loglikelihood request: ``echo`` with ``logprobs`` and ``max_tokens`` 0 returns the prompt and a logprob
     for each of its tokens but the first (null, as OpenAI writes it). With tokens to generate, the same prompt
     logprobs come first and the generated ones follow; a stream sends the prompt's with the echoed text."""
-    if isinstance(served.engine, FakeEngine):
-        pytest.skip("the fake engine replays a script: it computes no logprobs")
     prompt = "The quick brown fox jumps over the lazy dog"
     scored = served.client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
     choice = scored.choices[0]
