@@ -19,10 +19,6 @@ from elastiserve.platforms import ConfigError
 pytestmark = [pytest.mark.cpu]
 
 
-def budget(bound=0.1, max_tokens=2048, **kw) -> StepBudget:
-    return StepBudget(StepBudgetConfig(bound, max_tokens, **kw))
-
-
 def test_engine_config_validates_the_bound():
     for bad in (0.0, -1.0):
         with pytest.raises(ConfigError, match="max_step_time_s"):
