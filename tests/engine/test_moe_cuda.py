@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from elastiserve.engine.models import SparseMoeBlock
+from tiny_models import random_moe_block
 
 pytestmark = [pytest.mark.cuda]
 
@@ -11,11 +10,7 @@ pytestmark = [pytest.mark.cuda]
 def test_fp16_moe_block_replays_in_a_cuda_graph(device):
     """Unnested fp16 experts run the grouped Triton kernel, which a CUDA graph can capture (the per-expert loop read
     the offsets back and failed capture at the static-fp16 MoE engine's start on the H200); replay equals eager."""
-    torch.manual_seed(3)
-    block = SparseMoeBlock(64, 32, num_experts=8, top_k=2, renormalize=True).to(device=device, dtype=torch.float16)
-    with torch.no_grad():
-        for param in block.parameters():
-            param.normal_(0.0, 0.2)
+    block = random_moe_block(64, 32, seed=3, device=device)
     x = torch.randn(5, 64, device=device, dtype=torch.float16)
     with torch.inference_mode():
         eager = block(x)
@@ -33,11 +28,7 @@ def test_fp16_moe_block_replays_in_a_cuda_graph(device):
 def test_padding_rows_of_a_captured_block_route_to_no_expert(device):
     """A mixed graph's padding rows (past ``valid_tokens``, which a replay may change) go to no expert: the real rows
     equal an unpadded eager call, the padding rows come out zero even when their inputs hold NaN."""
-    torch.manual_seed(4)
-    block = SparseMoeBlock(64, 32, num_experts=8, top_k=2, renormalize=True).to(device=device, dtype=torch.float16)
-    with torch.no_grad():
-        for param in block.parameters():
-            param.normal_(0.0, 0.2)
+    block = random_moe_block(64, 32, seed=4, device=device)
     x = torch.randn(12, 64, device=device, dtype=torch.float16)
     valid = torch.tensor([9], dtype=torch.int32, device=device)
     with torch.inference_mode():

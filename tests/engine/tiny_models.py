@@ -34,6 +34,21 @@ def small_moe_config(num_layers: int, max_positions: int) -> transformers.Qwen3M
     )  # fmt: skip
 
 
+def random_moe_block(hidden: int, intermediate: int, seed: int, device: str = "cpu"):
+    """A fp16 ``SparseMoeBlock`` of 8 experts, top 2, with seeded random weights of standard deviation 0.2."""
+    import torch
+
+    from elastiserve.engine.models import SparseMoeBlock
+
+    torch.manual_seed(seed)
+    block = SparseMoeBlock(hidden, intermediate, num_experts=8, top_k=2, renormalize=True)
+    block = block.to(device=device, dtype=torch.float16)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.2)
+    return block
+
+
 def random_fp16_model(config: transformers.PretrainedConfig, device: str = "cpu", scale: float = 0.05):
     """An engine model of ``config`` with seeded random fp16 weights of standard deviation ``scale``."""
     import torch

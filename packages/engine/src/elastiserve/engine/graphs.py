@@ -101,7 +101,6 @@ class StepShape:
 
 @dataclass(slots=True)
 class CapturedStep:
-    batch_size: int
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # output buffer of the captured forward, [tokens, H]
 
@@ -180,4 +179,4 @@ class GraphRunner:
         if self._pool is None:
             self._pool = graph.pool()
         log.debug("captured graph: %s, fast layers %d, path %d", shape, len(r.fast_layers), path)
-        return CapturedStep(shape.batch, graph, hidden)
+        return CapturedStep(graph, hidden)

@@ -199,9 +199,7 @@ class LLMEngine:
             if token is None:
                 continue
             if seq.params.max_tokens == 0:  # the prompt is scored: nothing to generate
-                seq.finish_reason, seq.metrics.finished_time = "length", now
-                self.scheduler.finish(seq)
-                self._forget(seq)
+                self._finish(seq, "length", now)
                 outputs.append(self._output(seq, [], prompt_logprobs=seq.prompt_logprobs))
                 continue
             seq.token_ids.append(token)
@@ -211,14 +209,16 @@ class LLMEngine:
                 seq.metrics.first_token_time = now
             reason = self._finish_reason(seq)
             if reason is not None:
-                seq.finish_reason = reason
-                seq.metrics.finished_time = now
-                self.scheduler.finish(seq)
-                self._forget(seq)
+                self._finish(seq, reason, now)
             entry = logprobs[i] if logprobs is not None else None
             first = seq.prompt_logprobs if seq.num_output_tokens == 1 else None
             outputs.append(self._output(seq, [token], [entry] if entry is not None else None, first))
         return outputs
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.finish_reason, seq.metrics.finished_time = reason, now
+        self.scheduler.finish(seq)
+        self._forget(seq)
 
     def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list | None = None,
                 prompt_logprobs: list | None = None) -> RequestOutput:
