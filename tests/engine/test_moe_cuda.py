@@ -4,6 +4,8 @@ import pytest
 import torch
 from tiny_models import random_moe_block
 
+from elastiserve.engine.models.moe import padding_rows_of
+
 pytestmark = [pytest.mark.cuda]
 
 
@@ -32,11 +34,11 @@ def test_padding_rows_of_a_captured_block_route_to_no_expert(device):
     x = torch.randn(12, 64, device=device, dtype=torch.float16)
     valid = torch.tensor([9], dtype=torch.int32, device=device)
     with torch.inference_mode():
-        block(x, valid)
+        block(x, padding_rows_of(valid, 12))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = block(x, valid)
+            captured = block(x, padding_rows_of(valid, 12))
         for real in (9, 5):
             x.copy_(torch.randn_like(x))
             x[real:] = float("nan")

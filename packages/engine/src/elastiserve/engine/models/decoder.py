@@ -15,7 +15,7 @@ from torch import nn
 
 from elastiserve.engine.models.config import ModelConfig
 from elastiserve.engine.models.layers import Attention, AttentionContext, GatedMLP, Linear, RMSNorm, RotaryEmbedding
-from elastiserve.engine.models.moe import SparseMoeBlock
+from elastiserve.engine.models.moe import SparseMoeBlock, padding_rows_of
 from elastiserve.platforms import ElastiserveError
 
 
@@ -48,6 +48,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         ctx: AttentionContext,
+        padding_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual stream before adding it). Each residual add is fused into the norm that follows it,
         so ``hidden`` is the previous layer's MLP output still to be added (the embeddings, with ``residual`` None,
@@ -59,7 +60,7 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, positions, rotary, ctx)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
         if self.is_moe:  # padding rows of a padded step route to no expert
-            return self.mlp(hidden, ctx.valid_tokens()), residual
+            return self.mlp(hidden, padding_rows), residual
         return self.mlp(hidden), residual
 
 
@@ -82,8 +83,9 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        padding_rows = padding_rows_of(ctx.valid_tokens(), input_ids.shape[0]) if self.config.moe_layers else None
         for layer in self.decoder_layers:
-            hidden, residual = layer(hidden, residual, positions, self.rotary, ctx)
+            hidden, residual = layer(hidden, residual, positions, self.rotary, ctx, padding_rows)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.forward_with_residual(hidden, residual)[0]  # the last layer's MLP add, fused
