@@ -9,7 +9,8 @@ set +e
 install_packages
 nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
 timeout 150 python3 -m pytest -q --device=cuda -p no:cacheprovider tests/engine/test_moe_cuda.py \
-  tests/engine/test_moe_padding.py tests/engine/test_mixed_graphs_cuda.py > $OUT/moe-tests.log 2>&1
+  tests/engine/test_moe_padding.py tests/engine/test_mixed_graphs_cuda.py \
+  tests/memory/test_fast_mode_unmapped_lower_cuda.py > $OUT/moe-tests.log 2>&1
 tail -2 $OUT/moe-tests.log
 rates=""; for r in ${RATES:-8 12 16}; do rates="$rates --rate $r"; done
 timeout $((585 - SECONDS)) python3 benchmarks/serving/headline.py --setting moe --requests 400 $rates \

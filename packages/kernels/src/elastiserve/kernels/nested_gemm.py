@@ -175,6 +175,14 @@ def upper_for_kernel(upper: torch.Tensor, nesting: int, mode: str, fnuz: bool) -
     return upper
 
 
+def lower_for_kernel(upper: torch.Tensor, lower: torch.Tensor, mode: str) -> torch.Tensor:
+    """The pointer a kernel gets for the lower plane: the plane in full mode, else the upper plane, which is always
+    mapped. A fast-mode layer's lower plane is what the restore worker remaps (unmap, map, grant access) on its own
+    thread, and Triton's launcher checks every pointer argument, read or not: an eager fast-mode launch inside that
+    window raised "Pointer argument (at 3) cannot be accessed" on the H200 (combined, MoE, session 9)."""
+    return lower if mode == "full" else upper
+
+
 def weight_scale(nesting: int, mode: str, fnuz: bool, weight_exp: int = 0) -> float:
     """What the kernel multiplies its fp32 accumulator by: the prescale ``2^weight_exp``, times the fp8 scale."""
     prescale = 2.0 ** formats.check_weight_exp(weight_exp)
@@ -226,7 +234,8 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
     _nested_gemm_kernel[grid](
-        x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower, bias if bias is not None else x, target,
+        x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
+        bias if bias is not None else x, target,
         m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
         x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),

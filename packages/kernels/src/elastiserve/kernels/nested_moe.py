@@ -30,6 +30,7 @@ from elastiserve.kernels.nested_gemm import (
     _is_fnuz,
     check_ptx_decode,
     fast_mode_for,
+    lower_for_kernel,
     quantize_per_token,
     quantize_per_token_ref,
     reference_weight,
@@ -185,7 +186,8 @@ def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Te
     x, x_scale = x_sorted, x_sorted
     if mode == "fp8":
         x, x_scale = quantize_per_token(x_sorted, fnuz)
-    return _launch_grouped(x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower, expert_offsets, out,
+    return _launch_grouped(x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz),
+                           lower_for_kernel(upper, lower, mode), expert_offsets, out,
                            weight_scale(nesting, mode, fnuz, weight_exp), config, MODE_IDS[mode], int(nesting), fnuz)
 
 

@@ -230,7 +230,8 @@ def skinny_nested(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bia
         raise ValueError(f"nesting must be E4M3 or E5M2, got {nesting}")
     _check_inputs(x, upper.shape[0], upper.shape[1], bias)
     w_scale = nested_gemm.weight_scale(nesting, mode, fnuz, weight_exp)
-    return _launch(x, upper, lower, bias, mode, int(nesting), w_scale, config)
+    return _launch(x, upper, nested_gemm.lower_for_kernel(upper, lower, mode), bias, mode, int(nesting), w_scale,
+                   config)
 
 
 @torch.library.custom_op("elastiserve::skinny_linear", mutates_args=())
