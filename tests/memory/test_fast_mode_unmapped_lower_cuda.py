@@ -15,15 +15,21 @@ from elastiserve.memory.virtual_tensor import VirtualRange
 pytestmark = [pytest.mark.cuda]
 
 
-def _unmapped_plane(backend, shape):
-    """A uint8 view of ``shape`` over a range whose only unit was mapped and is unmapped again."""
-    nbytes = int(torch.Size(shape).numel())
-    rng = VirtualRange(backend, nbytes)
+def _fast_with_unmapped_lower(backend, op, upper):
+    """``op(lower)`` with ``lower`` a uint8 view of ``upper``'s shape over a range whose only unit was mapped and is
+    unmapped again; synchronized, so a fault surfaces here."""
+    rng = VirtualRange(backend, upper.numel())
     handle = backend.create(rng.unit_bytes)
-    rng.map_unit(0, handle)
-    plane = rng.view(torch.uint8, tuple(shape))
-    rng.unmap_unit(0)
-    return rng, handle, plane
+    try:
+        rng.map_unit(0, handle)
+        plane = rng.view(torch.uint8, tuple(upper.shape))
+        rng.unmap_unit(0)
+        out = op(plane)
+        torch.cuda.synchronize()
+        return out
+    finally:
+        rng.close()
+        backend.release(handle)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 300])  # skinny, weight-only or fp8 tiles, large fp8 tiles
@@ -32,14 +38,11 @@ def test_fast_linear_never_passes_the_lower_plane(backend, rows):
     w = (torch.randn(256, 512, generator=gen) * 0.05).half()
     upper, lower = (p.to(backend.device) for p in formats.split(w, Nesting.E5M2))
     x = torch.randn(rows, 512, generator=gen).half().to(backend.device)
-    rng, handle, unmapped = _unmapped_plane(backend, upper.shape)
-    try:
-        got = torch.ops.elastiserve.nested_linear(x, upper, unmapped, None, int(Nesting.E5M2), True)
-        want = torch.ops.elastiserve.nested_linear(x, upper, lower, None, int(Nesting.E5M2), True)
-        torch.cuda.synchronize()
-    finally:
-        rng.close()
-        backend.release(handle)
+    def linear(plane):
+        return torch.ops.elastiserve.nested_linear(x, upper, plane, None, int(Nesting.E5M2), True)
+
+    got = _fast_with_unmapped_lower(backend, linear, upper)
+    want = linear(lower)
     assert torch.equal(got, want)  # the same kernel on the same upper plane
 
 
@@ -49,13 +52,10 @@ def test_fast_moe_never_passes_the_lower_plane(backend):
     upper, lower = (p.to(backend.device) for p in formats.split(w, Nesting.E4M3))
     offsets = torch.tensor([0, 40, 40, 130, 200], dtype=torch.int32, device=backend.device)
     x = torch.randn(200, 256, generator=gen).half().to(backend.device)
-    rng, handle, unmapped = _unmapped_plane(backend, upper.shape)
-    try:
-        got = torch.ops.elastiserve.nested_moe(x, upper, unmapped, offsets, int(Nesting.E4M3), True)
-        want = torch.ops.elastiserve.nested_moe(x, upper, lower, offsets, int(Nesting.E4M3), True)
-        torch.cuda.synchronize()
-    finally:
-        rng.close()
-        backend.release(handle)
+    def moe(plane):
+        return torch.ops.elastiserve.nested_moe(x, upper, plane, offsets, int(Nesting.E4M3), True)
+
+    got = _fast_with_unmapped_lower(backend, moe, upper)
+    want = moe(lower)
     assert torch.equal(got, want)
     assert got.isfinite().all()
