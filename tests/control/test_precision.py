@@ -5,7 +5,12 @@ import pytest
 
 from elastiserve.control.config import PrecisionConfig
 from elastiserve.control.observation import ALL_LAYERS, StepObservation
-from elastiserve.control.precision import PrecisionPolicy, layers_for_shortage, layers_to_run_fast
+from elastiserve.control.precision import (
+    PrecisionPolicy,
+    group_prefixes,
+    layers_for_shortage,
+    layers_to_run_fast,
+)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
@@ -83,7 +88,7 @@ def test_layers_to_run_fast_switches_whole_model_together():
 
 
 def test_layers_to_run_fast_returns_layers_in_groups():
-    per_layer = PrecisionConfig(granularity="layer", min_evict_layers=4)
+    per_layer = PrecisionConfig(granularity="layer", min_evict_layers=4, layer_groups=16)  # groups of one layer
     running = frozenset(range(8))
     assert layers_to_run_fast(frozenset(range(8)), frozenset(), 16, per_layer) == running  # entering is exact
     for left in range(7, 4, -1):  # 1-3 layers restored: they keep running fast
@@ -91,3 +96,29 @@ def test_layers_to_run_fast_returns_layers_in_groups():
     assert layers_to_run_fast(frozenset(range(4)), running, 16, per_layer) == frozenset(range(4))  # 4 return
     assert layers_to_run_fast(frozenset({0, 9}), frozenset({0}), 16, per_layer) == frozenset({0, 9})
     assert layers_to_run_fast(frozenset(), running, 16, per_layer) == frozenset()
+
+
+def test_whole_groups_run_fast_together():
+    """48 layers in 4 groups of 12: a stale layer takes its whole group to fast mode; restoring part of a group
+    keeps the group fast, and the last layer of a group restored brings the whole group back."""
+    grouped = PrecisionConfig(granularity="layer", min_evict_layers=4, layer_groups=4)
+    assert layers_to_run_fast(frozenset(range(5)), frozenset(), 48, grouped) == frozenset(range(12))
+    assert layers_to_run_fast(frozenset(range(13)), frozenset(range(12)), 48, grouped) == frozenset(range(24))
+    assert layers_to_run_fast(frozenset({3, 40}), frozenset(), 48, grouped) == frozenset(range(12)) | frozenset(
+        range(36, 48))  # stale layers out of order: their groups, never a layer outside them
+    running = frozenset(range(24))
+    assert layers_to_run_fast(frozenset(range(14)), running, 48, grouped) == running  # group 1 partly restored
+    assert layers_to_run_fast(frozenset(range(12)), running, 48, grouped) == frozenset(range(12))
+    assert layers_to_run_fast(frozenset(), running, 48, grouped) == frozenset()
+    # 50 layers in 4 groups: groups of 13, the last one short
+    assert layers_to_run_fast(frozenset({49}), frozenset(), 50, grouped) == frozenset(range(39, 50))
+
+
+def test_group_prefixes_are_the_mixes_captured_before_serving():
+    grouped = PrecisionConfig(granularity="layer", layer_groups=4)
+    assert [len(s) for s in group_prefixes(48, grouped)] == [0, 12, 24, 36, 48]
+    assert [len(s) for s in group_prefixes(50, grouped)] == [0, 13, 26, 39, 50]
+    assert [len(s) for s in group_prefixes(3, grouped)] == [0, 1, 2, 3]  # more groups than layers: one each
+    assert group_prefixes(8, PrecisionConfig()) == [frozenset(), frozenset(range(8))]  # whole model
+    with pytest.raises(Exception, match="layer_groups"):
+        PrecisionConfig(layer_groups=0)

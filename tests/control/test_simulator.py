@@ -244,8 +244,9 @@ def test_eight_replicas_serve_twelve_thousand_requests():
     assert summary.requests == summary.finished == 12_000 and summary.preemptions == 0
     counts = [len(rep.records) for rep in run.replicas]
     # Least-loaded routing balances queues, not counts: with CUDA-graph padding in the step model a replica just past
-    # a graph size steps slower and takes fewer requests (1,335-1,614 per replica, 17 %; 10 % before).
-    assert max(counts) - min(counts) < 0.2 * max(counts)
+    # a graph size steps slower and takes fewer requests (1,304-1,738 per replica, 25 %, since whole layer groups
+    # run fast; 17 % before that, 10 % before graph padding).
+    assert max(counts) - min(counts) < 0.3 * max(counts)
     for rep in run.replicas:
         assert rep.events.mode_transitions()[0] >= 1
         rep.pool.check()

@@ -2,7 +2,7 @@
 shapes it compiles (every mode, path, attention tile height and GEMM row bucket; their forwards write no KV); which
 decode graphs it captures, per policy: the native path in full mode always; the
 structured and general paths too when KV demotion is on; the all-fast mode too with nested weights (static-fp8
-only that one). The CPU has no CUDA graphs, so a recorder stands in for the graph runner; the GPU e2e tests replay
+only that one), and per layer (combined) each prefix of whole layer groups. The CPU has no CUDA graphs, so a recorder stands in for the graph runner; the GPU e2e tests replay
 the real ones."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def engine_for(policy: str) -> LLMEngine:
     ("static-fp16", [(frozenset(), (0,))]),
     ("elastickv", [(frozenset(), (0, 3, 2))]),
     ("dps", [(frozenset(), (0,)), (frozenset(range(LAYERS)), (0,))]),
-    ("combined", [(frozenset(), (0, 3, 2)), (frozenset(range(LAYERS)), (0, 3, 2))]),
+    # 3 layers in combined's 4 layer groups: a group per layer, so every prefix
+    ("combined", [(frozenset(range(n)), (0, 3, 2)) for n in range(LAYERS + 1)]),
     ("static-fp8", [(frozenset(range(LAYERS)), (0,))]),
 ])  # fmt: skip
 def test_capture_plan_per_policy(policy, expected):

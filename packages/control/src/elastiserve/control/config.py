@@ -81,6 +81,11 @@ class PrecisionConfig:
     ``min_evict_layers`` (per-layer granularity): evict at least this many layers at once, ElasticKV's B_min applied
     to layers. Sized to the shortage alone, a burst on the H200 (reduced dense headline, combined) evicted 11 times
     in 1-5 layer steps, each a new mix of full and fast layers whose decode graphs were captured mid-run.
+    ``layer_groups`` (per-layer granularity): the layers form this many contiguous groups and a group runs fast
+    whole when any of its layers is stale, so the runner meets few mixes and captures the group prefixes' graphs
+    before serving. With a mix per fast prefix length, combined on the H200 MoE setting (48 layers, 28 evicted,
+    mixed-step graphs) met TBT bounds for 12.5 % of requests at 12 req/s against dps's 97.8 %: each new mix ran
+    eagerly or captured its graphs inside a step (benchmarks/serving/results/moe-step-budget-run2).
     """
 
     kappa_low: float = 0.6
@@ -90,6 +95,7 @@ class PrecisionConfig:
     restore_dwell_s: float = 5.0
     static_fast: bool = False
     min_evict_layers: int = 1
+    layer_groups: int = 4
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.kappa_low < self.kappa_high, "need 0 <= kappa_low < kappa_high (hysteresis band)")
@@ -97,6 +103,7 @@ class PrecisionConfig:
         _require(self.restore_min_free_units >= 0, "restore_min_free_units must be >= 0")
         _require(self.restore_dwell_s >= 0, "restore_dwell_s must be >= 0")
         _require(self.min_evict_layers >= 1, "min_evict_layers must be >= 1")
+        _require(self.layer_groups >= 1, "layer_groups must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,16 +85,37 @@ class PrecisionPolicy:
 def layers_to_run_fast(stale: frozenset[int], running_fast: frozenset[int], num_layers: int,
                        config: PrecisionConfig) -> frozenset[int]:
     """The layers the next step runs in FP8: every layer whose residual is stale, widened so that the runner meets
-    few distinct mixes of full and fast layers (each new mix captures its decode graphs inside a step). Whole-model
-    granularity switches all layers together, as DPS does: fast as soon as any residual is stale, full once all
-    are restored. Per layer, restored layers return to full only ``min_evict_layers`` at a time (or all together
-    when nothing is stale). On the H200 MoE run the restore switched one layer back at a time: dps met 22 mixes
-    (27-48 fast layers of 48) at its 12 req/s point."""
+    few distinct mixes of full and fast layers (each new mix captures its graphs inside a step unless it was
+    captured before serving). Whole-model granularity switches all layers together, as DPS does: fast as soon as any
+    residual is stale, full once all are restored. Per layer, restored layers return to full only
+    ``min_evict_layers`` at a time (or all together when nothing is stale), and whole ``layer_groups`` run fast
+    together. On the H200 MoE run the restore switched one layer back at a time: dps met 22 mixes (27-48 fast
+    layers of 48) at its 12 req/s point."""
     if not stale:
         return frozenset()
     if config.granularity == "model":
         return frozenset(range(num_layers))
     returning = running_fast - stale
-    if returning and len(returning) < config.min_evict_layers:
-        return running_fast | stale
-    return stale
+    wanted = running_fast | stale if returning and len(returning) < config.min_evict_layers else stale
+    return whole_groups(wanted, num_layers, config.layer_groups)
+
+
+def group_size(num_layers: int, layer_groups: int) -> int:
+    return max(1, -(-num_layers // layer_groups))
+
+
+def whole_groups(layers: frozenset[int], num_layers: int, layer_groups: int) -> frozenset[int]:
+    """Every layer of each group that holds one of ``layers`` (groups: ``layer_groups`` contiguous runs)."""
+    size = group_size(num_layers, layer_groups)
+    groups = {layer // size for layer in layers}
+    return frozenset(layer for layer in range(num_layers) if layer // size in groups)
+
+
+def group_prefixes(num_layers: int, config: PrecisionConfig) -> list[frozenset[int]]:
+    """The fast-layer sets a policy meets while eviction and restore stay in order (lowest layers evicted first,
+    last evicted restored first): all full, whole-model fast, and per layer each prefix of whole groups."""
+    if config.granularity == "model":
+        return [frozenset(), frozenset(range(num_layers))]
+    size = group_size(num_layers, config.layer_groups)
+    ends = sorted({min(num_layers, k * size) for k in range(config.layer_groups + 1)})
+    return [frozenset(range(end)) for end in ends]

@@ -32,7 +32,7 @@ from elastiserve.engine.sampler import Sampler
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
 from elastiserve.engine.step_inputs import InputBuffers, StepInputs, StepOutput, gather_step_inputs
-from elastiserve.engine.warmup import WarmUpShape, attention_paths, mode_sets, warm_up_shapes
+from elastiserve.engine.warmup import WarmUpShape, attention_paths, graph_mode_sets, warm_up_shapes
 
 __all__ = ["TRANSFER_CHUNK_PAIRS", "ModelRunner", "StepInputs", "StepOutput"]
 
@@ -279,13 +279,13 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture, before serving, the graphs the policy reaches without per-layer mixes: every decode batch size
         on each attention path the policy uses (and every mixed bucket on the native path, with ``mixed_graphs``),
-        in each of its whole-model modes (``warmup.mode_sets``). A graph first met mid-run is captured, and its
-        kernels compiled, inside somebody's step. Per-layer mixes (combined with layer granularity) are still captured
-        when first used."""
+        in each of its whole-model modes and, per layer, each prefix of whole layer groups
+        (``warmup.graph_mode_sets``). A graph first met mid-run (a mix of groups out of order) is captured, and its
+        kernels compiled, inside somebody's step."""
         if self.graphs is None:
             return
         before = self.fast_layers
-        for fast_layers in mode_sets(self.config, self.model_config.num_hidden_layers):
+        for fast_layers in graph_mode_sets(self.config, self.model_config.num_hidden_layers):
             self.set_fast_layers(fast_layers)
             self.graphs.capture_common(attention_paths(self.config))
         self.set_fast_layers(before)

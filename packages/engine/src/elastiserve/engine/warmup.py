@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastiserve.control.config import preset
+from elastiserve.control.precision import group_prefixes
 from elastiserve.engine.config import EngineConfig
 from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED_READ_PATH
 from elastiserve.kernels.configs import M_BUCKETS
@@ -43,6 +45,16 @@ def mode_sets(config: EngineConfig, num_layers: int) -> list[frozenset[int]]:
     if config.uses_nested_weights:
         return [frozenset(), all_fast]
     return [frozenset()]
+
+
+def graph_mode_sets(config: EngineConfig, num_layers: int) -> list[frozenset[int]]:
+    """The fast-layer sets whose graphs are captured before serving: ``mode_sets``, and under per-layer granularity
+    every prefix of whole layer groups (``control.precision.group_prefixes``), the mixes in-order eviction and
+    restore meet. Kernels compile per mode, not per mix, so ``warm_up_shapes`` keeps to ``mode_sets``."""
+    sets = mode_sets(config, num_layers)
+    if len(sets) < 2:
+        return sets
+    return group_prefixes(num_layers, preset(config.policy).precision)
 
 
 def attention_paths(config: EngineConfig) -> tuple[int, ...]:
