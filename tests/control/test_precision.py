@@ -15,9 +15,9 @@ from elastiserve.control.precision import (
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
 
-def obs(free, total=1000, native=1000, evicted=(), restorable=(), free_units=0, demand=None, **kw):
+def obs(free, total=1000, native=1000, evicted=(), restorable=(), free_units=0, demand=None, residual_layers=4, **kw):
     return StepObservation(step=0, now=0.0, free_blocks=free, total_blocks=total, native_blocks=native,
-                           demand_blocks=demand, blocks_per_unit=2, residual_layers=4, units_per_layer=10,
+                           demand_blocks=demand, blocks_per_unit=2, residual_layers=residual_layers, units_per_layer=10,
                            evicted_layers=frozenset(evicted), fast_layers=frozenset(evicted),
                            restorable_layers=tuple(restorable), free_units=free_units, **kw)
 
@@ -77,6 +77,16 @@ def test_layer_granularity_evicts_at_least_min_layers_and_restores_the_last_evic
     assert policy.plan_restore(obs(restorable=(0, 1), **calm), 0) == (1,)  # layer 2's units still hold KV
     with pytest.raises(Exception, match="min_evict_layers"):
         PrecisionConfig(min_evict_layers=0)
+
+
+def test_layer_granularity_evicts_whole_groups():
+    """48 layers in 4 groups: the shortage needs one layer, B_min is 4, the group holds 12; the next shortage
+    takes the following group; a partly evicted group (out-of-order restore) is completed first."""
+    policy = PrecisionPolicy(PrecisionConfig(granularity="layer", min_evict_layers=4, layer_groups=4))
+    many = dict(free=500, residual_layers=48)
+    assert policy.plan_eviction(obs(**many), 5) == tuple(range(12))
+    assert policy.plan_eviction(obs(evicted=range(12), **many), 5) == tuple(range(12, 24))
+    assert policy.plan_eviction(obs(evicted=[*range(11), 12], **many), 5) == (11, *range(13, 24))
 
 
 def test_layers_to_run_fast_switches_whole_model_together():

@@ -1,9 +1,9 @@
 """What an engine prepares before serving: the pair kernels run once (block 0 onto itself, bit-exact); the step
 shapes it compiles (every mode, path, attention tile height and GEMM row bucket; their forwards write no KV); which
-decode graphs it captures, per policy: the native path in full mode always; the
-structured and general paths too when KV demotion is on; the all-fast mode too with nested weights (static-fp8
-only that one), and per layer (combined) each prefix of whole layer groups. The CPU has no CUDA graphs, so a recorder stands in for the graph runner; the GPU e2e tests replay
-the real ones."""
+decode graphs it captures, per policy: the native path in full mode always; the structured and general paths too
+when KV demotion is on; the all-fast mode too with nested weights (static-fp8 only that one), and per layer
+(combined) each prefix of whole layer groups. The CPU has no CUDA graphs, so a recorder stands in for the graph
+runner; the GPU e2e tests replay the real ones."""
 
 from __future__ import annotations
 

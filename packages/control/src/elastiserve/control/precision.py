@@ -3,9 +3,9 @@
 The policy is stateless: the evicted layers, restorable layers and occupancy come in the observation, and changes
 apply between steps (batch-aligned). Whole-model granularity flips every layer to fast at once, the DPS design;
 per-layer granularity evicts only the k = ceil(shortage_units / units_per_layer) layers a shortage needs (at least
-``min_evict_layers``), lowest resident first. Restore goes one layer at a time, the last evicted first, only when
-occupancy < kappa_low, no shortage is pending, that layer's units are all FREE, and at least
-``restore_min_free_units`` more units stay free afterwards.
+``min_evict_layers``, rounded up to whole ``layer_groups``), lowest resident first. Restore goes one layer at a time,
+the last evicted first, only when occupancy < kappa_low, no shortage is pending, that layer's units are all FREE,
+and at least ``restore_min_free_units`` more units stay free afterwards.
 """
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ class PrecisionPolicy:
             return ALL_LAYERS
         k = max(self.config.min_evict_layers, layers_for_shortage(shortage_blocks, obs.blocks_per_unit,
                                                                   obs.units_per_layer))
-        return tuple(resident[:k])
+        # A group runs fast whole once one of its layers is stale (``layers_to_run_fast``): evicting the rest of
+        # it frees their units at no further quality cost.
+        groups = whole_groups(frozenset(resident[:k]), obs.residual_layers, self.config.layer_groups)
+        return tuple(layer for layer in resident if layer in groups)
 
     def freed_blocks(self, obs: StepObservation, layers: tuple[int, ...] | Literal["all"]) -> int:
         """KV blocks the eviction adds (residual units of layers that are still resident)."""
