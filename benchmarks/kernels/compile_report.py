@@ -1,7 +1,7 @@
 """Compile the GEMM and attention kernels for a GPU target on any machine (no GPU needed) and report what decides
 their speed before a timing run: registers per thread (ptxas -v, hence CTAs per SM), shared memory, whether the
-main loops were software-pipelined (async copies in the TTGIR), and the integer instructions per weight of the GEMM
-decode (PTX).
+main loops were software-pipelined (async copies in the TTGIR), spills, and the integer instructions per weight of the
+GEMM decode (PTX).
 
     python benchmarks/kernels/compile_report.py --out report.json          # sm90 (H100/H200)
 
@@ -24,7 +24,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from elastiserve.kernels import attention, attention_kernels, configs, nested_gemm, skinny_gemm
+from elastiserve.kernels import attention, attention_kernels, configs, nested_gemm, nested_moe, skinny_gemm
+from elastiserve.kernels.weight_decode import PLAIN
 
 ALIGNED_INTS = ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ln", "stride_os", "stride_om",
                 "stride_block", "stride_kv", "stride_head", "stride_tok", "stride_qt", "stride_ot", "stride_bt",
@@ -41,20 +42,23 @@ def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int, 
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def ptxas_registers(ptx: str, arch: int) -> int:
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers per thread, bytes of spill stores) as ptxas -v reports them."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         out = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(src), "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True, check=True)
-    return int(re.search(r"Used (\d+) registers", out.stdout + out.stderr).group(1))
+    text = out.stdout + out.stderr
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return int(re.search(r"Used (\d+) registers", text).group(1)), int(spills.group(1)) if spills else 0
 
 
 def facts(kernel, arch: int, threads: int) -> dict:
-    regs = ptxas_registers(kernel.asm["ptx"], arch)
+    regs, spills = ptxas_usage(kernel.asm["ptx"], arch)
     ops = {op: len(re.findall(rf"^\s*{op}\.", kernel.asm["ptx"], flags=re.M)) for op in DECODE_OPS}
-    return {"registers": regs, "ctas_per_sm_by_registers": 65536 // (regs * threads),
+    return {"registers": regs, "spill_store_bytes": spills, "ctas_per_sm_by_registers": 65536 // (regs * threads),
             "shared_bytes": kernel.metadata.shared,
             "async_copies": kernel.asm["ttgir"].count("async_copy_global_to_local"), "ptx_ops": ops}
 
@@ -125,6 +129,42 @@ def skinny_report(arch: int) -> list[dict]:
     return rows
 
 
+# The grouped MoE kernel's tiles: the sm90 table's (configs._GROUPED_PREFILL_SM90) and probe_moe_configs.py's.
+GROUPED_TILES = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3),
+                 (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3))
+SM90_SHARED_PER_SM = 228 * 1024
+
+
+def grouped_report(arch: int) -> list[dict]:
+    """Registers, spills, shared memory and resident warps per SM of the grouped MoE kernel per tile and mode: what
+    bounds overlap of one CTA's decode with another's MMA (session 9: full mode is 1.8x plain at 2,048 tokens)."""
+    fn = nested_moe._nested_moe_kernel
+    rows = []
+    for mode in ("plain", "full", "fp8"):
+        mode_id = PLAIN if mode == "plain" else nested_gemm.MODE_IDS[mode]
+        plane = {"plain": "*fp16", "full": "*u8", "fp8": "*fp8e5"}[mode]
+        types = {n: "i32" for n in fn.arg_names}
+        types.update({"x_ptr": "*fp8e4nv" if mode == "fp8" else "*fp16", "x_scale_ptr": "*fp32", "upper_ptr": plane,
+                      "lower_ptr": "*u8" if mode == "full" else plane, "out_ptr": "*fp16", "tile_expert_ptr": "*i32",
+                      "tile_row_ptr": "*i32", "offsets_ptr": "*i64", "w_scale": "fp32"})
+        for bm, bn, bk, warps, stages in GROUPED_TILES:
+            if mode == "fp8" and bk < 64:
+                continue
+            const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": mode_id, "NESTING": 1,
+                     "FNUZ": False, "EVEN_K": True, "PTX_DECODE": mode == "full", "BLOCK_M": bm, "BLOCK_N": bn,
+                     "BLOCK_K": bk}
+            kernel = compile_kernel(fn, types, const, warps, stages, arch)
+            row = {"kernel": "nested_moe", "mode": mode, "tile": [bm, bn, bk, warps, stages],
+                   **facts(kernel, arch, 32 * warps)}
+            ctas = min(row["ctas_per_sm_by_registers"], SM90_SHARED_PER_SM // (row["shared_bytes"] + 1024))
+            row["warps_per_sm"] = ctas * warps
+            rows.append(row)
+            print(f"grouped {mode:5s} {bm:3d}x{bn:3d}x{bk:3d} w{warps} s{stages}: regs {row['registers']:3d} spills "
+                  f"{row['spill_store_bytes']:5d} B  smem {row['shared_bytes'] // 1024:3d} KiB  async copies "
+                  f"{row['async_copies']}  {row['warps_per_sm']} warps/SM", flush=True)
+    return rows
+
+
 def attention_report(arch: int) -> list[dict]:
     fn = attention_kernels.paged_attention_kernel
     types = {n: "i32" for n in fn.arg_names}
@@ -155,7 +195,8 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     report = {"arch": f"sm{args.arch}", "triton": triton.__version__, "gemm": gemm_report(args.arch),
-              "skinny_gemm": skinny_report(args.arch), "attention": attention_report(args.arch)}
+              "skinny_gemm": skinny_report(args.arch), "grouped_gemm": grouped_report(args.arch),
+              "attention": attention_report(args.arch)}
     Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 

@@ -246,6 +246,15 @@ def print_table(outputs: list[dict[str, Any]]) -> str:
     return text
 
 
+def cut_outputs(out_dir: Path, setting: str, files: list[Path]) -> list[dict[str, Any]]:
+    """The finished points of policies whose run was cut before it wrote its JSON (``<tag>.points.jsonl``)."""
+    from elastiserve.engine.bench.run import points_output
+
+    written = {f.name.split(".")[0] for f in files}
+    return [points_output(f) for f in sorted(out_dir.glob(f"{setting}-*.points.jsonl"))
+            if f.name.removesuffix(".points.jsonl") not in written]
+
+
 def plot_side_by_side(outputs: list[dict[str, Any]], path: Path) -> Path | None:
     """One timeline (KV occupancy, mode, BASE residency, TTFT; the DPS paper's Figure 7) of every policy's first run,
     rebuilt from the per-policy JSON files, so runs made in separate calls still land on one figure."""
@@ -339,7 +348,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         outputs = [{**data, "json": str(f)} for f, data in loaded if "runs" in data]  # not the headline summary
         if not args.no_plots:
             plot_side_by_side(outputs, args.out / f"{args.setting}-timeline.png")
-        return {"table": print_table(outputs)}
+        return {"table": print_table(outputs + cut_outputs(args.out, args.setting, files))}
     cfg, changes = reduced_setting(args.setting, args)
     print("REDUCED: " + "; ".join(changes) if changes else "full setting (nothing reduced)", flush=True)
     t0 = time.perf_counter()

@@ -133,15 +133,16 @@ def run_metadata(*, model: str, settings: dict[str, Any]) -> dict[str, Any]:
             "started": datetime.datetime.now(datetime.UTC).isoformat()}
 
 
-def _clean(obj: Any) -> Any:
+def clean_json(obj: Any) -> Any:
+    """``obj`` made JSON-safe: non-finite floats become null, sets sorted lists, paths strings."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): clean_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [clean_json(v) for v in obj]
     if isinstance(obj, (set, frozenset)):
-        return sorted(_clean(v) for v in obj)
+        return sorted(clean_json(v) for v in obj)
     if isinstance(obj, Path):
         return str(obj)
     return obj
@@ -149,5 +150,5 @@ def _clean(obj: Any) -> Any:
 
 def write_json(path: Path, obj: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False) + "\n")
+    path.write_text(json.dumps(clean_json(obj), indent=2, allow_nan=False) + "\n")
     return path

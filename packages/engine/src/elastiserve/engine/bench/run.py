@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 from elastiserve.engine.bench import plots
 from elastiserve.engine.bench.http_replay import replay_http
 from elastiserve.engine.bench.replay import ReplayResult, measure_t_base, replay_in_process
-from elastiserve.engine.bench.results import capacity, per_request, run_metadata, summarize, write_json
+from elastiserve.engine.bench.results import capacity, clean_json, per_request, run_metadata, summarize, write_json
 from elastiserve.engine.bench.workload import WorkloadSpec, build_requests, make_prompts
 from elastiserve.engine.protocol import eos_token_ids
 from elastiserve.engine.server import engine_limits
@@ -82,6 +83,7 @@ def run_bench(plan: BenchPlan, *, engine_factory: Callable[[str], Any] | None = 
             summary["concurrency"] = concurrency
             sweeps.setdefault(policy, []).append(summary)
             timelines[policy] = result  # the last (highest) point is the timeline's
+            append_point(plan.out_dir / f"{plan.tag}.points.jsonl", policy, rate, concurrency, summary)
             out["runs"].append({"policy": policy, "rate": rate, "concurrency": concurrency, "summary": summary,
                                 "requests": per_request(result.records, t_base), "events": result.events,
                                 "timeline": result.samples,
@@ -94,6 +96,25 @@ def run_bench(plan: BenchPlan, *, engine_factory: Callable[[str], Any] | None = 
         out["plots"] = _plots(plan, sweeps, timelines)
     out["json"] = str(write_json(plan.out_dir / f"{plan.tag}.json", out))
     return out
+
+
+def append_point(path: Path, policy: str, rate: float | None, concurrency: int | None,
+                 summary: dict[str, Any]) -> None:
+    """One line per finished point, written as it finishes: a run cut before its JSON (a GPU call's time limit took
+    session 9's dps MoE run whole) keeps its points; ``points_output`` reads them back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = {"policy": policy, "rate": rate, "concurrency": concurrency, "summary": summary}
+    with path.open("a") as f:
+        f.write(json.dumps(clean_json(line), allow_nan=False) + "\n")
+
+
+def points_output(path: Path) -> dict[str, Any]:
+    """A ``run_bench`` result (runs and capacity, no per-request detail) from a points file."""
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    sweeps: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        sweeps.setdefault(run["policy"], []).append(run["summary"])
+    return {"runs": runs, "capacity": {policy: capacity(s) for policy, s in sweeps.items()}, "json": str(path)}
 
 
 def _http_t_base(replay: Callable[..., ReplayResult], vocab: int) -> float:
