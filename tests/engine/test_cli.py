@@ -102,6 +102,7 @@ def test_serve_flags_reach_engine_settings():
         "graph_capture_after": 3,
         "max_step_time_s": 0.11,
         "mixed_graphs": True,
+        "enable_prefix_caching": False,
         "seed": 0,
         "cpu_kv_blocks": 512,
     }

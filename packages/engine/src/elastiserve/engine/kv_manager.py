@@ -3,8 +3,7 @@
 Logical blocks ``2p, 2p+1`` of a sequence form pair ``p``. TARGET holds two physical blocks; BASE holds one packed
 block listed for both logical blocks, with the low bytes of both in one host-backing slot; PROMOTING is still BASE for
 every reader while two fresh blocks are reserved, and becomes TARGET only when the runner reports the unpack done.
-Physical blocks come from a ``BlockPool``: in production the SUM bookkeeping of ``elastiserve.memory`` (Algorithm 1),
-where taking a BACKED unit makes a residual stale (fast mode next step); in tests a flat free list.
+Physical blocks come from a ``BlockPool`` (``block_pool.py``), wrapped by the prefix cache's pool when caching is on.
 """
 
 from __future__ import annotations
@@ -12,94 +11,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from elastiserve.engine.block_pool import BlockPool, FlatBlockPool, SumBlockPool
 from elastiserve.engine.errors import EngineError
+from elastiserve.engine.prefix_cache import CachingBlockPool, PrefixCache, pair_hash
 from elastiserve.engine.sequence import PairState, Sequence
 
 if TYPE_CHECKING:
     from elastiserve.control.admission import BaseFloorBound
 
-
-class BlockPool(Protocol):
-    """Physical KV blocks; ``allocate`` is all-or-nothing and returns None when it cannot serve ``n``."""
-
-    num_blocks: int
-
-    def num_free(self, allow_backed: bool) -> int: ...
-
-    def num_allocated(self) -> int: ...
-
-    def allocate(self, n: int, allow_backed: bool) -> list[int] | None: ...
-
-    def free(self, blocks: Iterable[int]) -> None: ...
-
-    def drain_stale_layers(self) -> frozenset[int]: ...
-
-
-class FlatBlockPool:
-    """A free list of blocks with no shared region (static pools, CPU tests)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
-
-    def num_free(self, allow_backed: bool = False) -> int:
-        return len(self._free)
-
-    def num_allocated(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def allocate(self, n: int, allow_backed: bool = False) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self._is_free[b] = False
-        return blocks
-
-    def free(self, blocks: Iterable[int]) -> None:
-        for b in blocks:
-            if self._is_free[b]:
-                raise EngineError(f"block {b} freed twice")
-            self._is_free[b] = True
-            self._free.append(b)
-
-    def drain_stale_layers(self) -> frozenset[int]:
-        return frozenset()
-
-
-class SumBlockPool:
-    """``BlockPool`` over ``elastiserve.memory.sum_state.SumState`` (Algorithm 1): taking a BACKED unit makes its
-    layer's residual stale; the engine reads those layers through ``drain_stale_layers`` (fast mode next step)."""
-
-    def __init__(self, state) -> None:  # state: SumState (imported lazily by the runner; plain Python)
-        self.state = state
-        self.num_blocks = sum(len(state.unit_blocks(u)) for u in range(state.num_units))
-        self._stale: set[int] = set()
-
-    def num_free(self, allow_backed: bool = False) -> int:
-        return self.state.num_free_blocks(include_backed=allow_backed)
-
-    def num_allocated(self) -> int:
-        return self.state.num_allocated_blocks()
-
-    def allocate(self, n: int, allow_backed: bool = False) -> list[int] | None:
-        if n == 0:
-            return []
-        if not self.state.can_alloc(n, allow_backed):
-            return None
-        result = self.state.alloc_blocks(n, allow_backed=allow_backed)
-        self._stale.update(chunk.layer for chunk in result.taken_residuals)
-        return list(result.blocks)
-
-    def free(self, blocks: Iterable[int]) -> None:
-        self.state.free_blocks(list(blocks))
-
-    def drain_stale_layers(self) -> frozenset[int]:
-        stale, self._stale = frozenset(self._stale), set()
-        return stale
+__all__ = ["BlockPool", "FlatBlockPool", "KVManager", "SumBlockPool"]  # the pools moved to block_pool.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,9 +85,11 @@ class ExposureCounter:
 
 class KVManager:
     def __init__(
-        self, pool: BlockPool, block_size: int, num_host_slots: int, *, sink_pairs: int = 1, recent_pairs: int = 2
+        self, pool: BlockPool, block_size: int, num_host_slots: int, *, sink_pairs: int = 1, recent_pairs: int = 2,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
-        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.pool = pool if prefix_cache is None else CachingBlockPool(pool, prefix_cache)
         self.block_size = block_size
         self.sink_pairs = sink_pairs
         self.recent_pairs = recent_pairs
@@ -227,8 +151,16 @@ class KVManager:
         return True
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Return every block, reserved promotion block and host slot of ``seq`` (finish, abort, preemption)."""
+        """Return every block, reserved promotion block and host slot of ``seq`` (finish, abort, preemption); pairs
+        the prefix cache holds are released to it instead."""
         blocks = set(seq.block_table)
+        if any(seq.cache_held):
+            for pair, key in enumerate(seq.pair_hashes):
+                if seq.cache_held[pair]:
+                    self.prefix_cache.release(key)
+                    blocks.difference_update(seq.block_table[2 * pair : 2 * pair + 2])
+        seq.pair_hashes.clear()
+        seq.cache_held.clear()
         for pair in range(len(seq.pair_states)):
             op = self._promotions.pop((seq.request_id, pair), None)
             if op is not None:
@@ -240,6 +172,51 @@ class KVManager:
         self._base_runs.pop(seq.request_id, None)
         seq.block_table.clear()
         seq.pair_states.clear()
+
+    # ---- prefix cache ----------------------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence that holds no blocks the longest run of cached pairs from its start; returns the tokens
+        it no longer computes. One token is always left to compute (the step samples from it), and requests that
+        want prompt logprobs compute their whole prompt."""
+        cache = self.prefix_cache
+        if cache is None or seq.block_table or seq.params.prompt_logprobs is not None:
+            return 0
+        pair_tokens = 2 * self.block_size
+        keys: list[bytes] = []
+        for pair in range((seq.num_tokens - 1) // pair_tokens):
+            key = pair_hash(keys[-1] if keys else None, seq.token_ids[pair * pair_tokens : (pair + 1) * pair_tokens])
+            if key not in cache:
+                break
+            keys.append(key)
+        for key in keys:
+            seq.block_table.extend(cache.acquire(key))
+        seq.pair_states[:] = [PairState.TARGET] * len(keys)
+        seq.pair_hashes[:] = keys
+        seq.cache_held[:] = [True] * len(keys)
+        seq.num_computed_tokens = len(keys) * pair_tokens
+        cache.record_lookup(seq.num_tokens, seq.num_computed_tokens)
+        return seq.num_computed_tokens
+
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo ``match_prefix`` for a sequence that was not admitted after all."""
+        self.free_sequence(seq)
+        seq.num_computed_tokens = 0
+
+    def register_pairs(self, seq: Sequence) -> None:
+        """Hash the pairs ``seq`` completed since the last call and hand the new ones to the prefix cache (a pair
+        whose content another sequence registered first stays the sequence's own)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        pair_tokens = 2 * self.block_size
+        for pair in range(len(seq.pair_hashes), self.num_complete_pairs(seq)):
+            parent = seq.pair_hashes[-1] if seq.pair_hashes else None
+            key = pair_hash(parent, seq.token_ids[pair * pair_tokens : (pair + 1) * pair_tokens])
+            held = seq.pair_states[pair] is PairState.TARGET and key not in cache
+            if held:
+                cache.insert(key, (seq.block_table[2 * pair], seq.block_table[2 * pair + 1]))
+            seq.pair_hashes.append(key)
+            seq.cache_held.append(held)
 
     # ---- pairs -----------------------------------------------------------------------------------------------
     def num_complete_pairs(self, seq: Sequence) -> int:
@@ -260,8 +237,14 @@ class KVManager:
                 pair = states.index(PairState.TARGET, pair, end)
             except ValueError:
                 return
-            yield pair
+            if not self._shared(seq, pair):
+                yield pair
             pair += 1
+
+    def _shared(self, seq: Sequence, pair: int) -> bool:
+        """Whether other sequences read ``pair`` through the prefix cache (then it is never demoted)."""
+        held = seq.cache_held
+        return pair < len(held) and held[pair] and self.prefix_cache.refs(seq.pair_hashes[pair]) > 1
 
     def demotion_stream(self, seq: Sequence, seq_id: int) -> Iterator[Any]:
         """``seq``'s demotable pairs as ``rank_demotable_streams`` takes them: one status and one last use for the
@@ -274,13 +257,16 @@ class KVManager:
 
     def is_demotable(self, seq: Sequence, pair: int) -> bool:
         end = self.num_complete_pairs(seq) - self.recent_pairs
-        return self.sink_pairs <= pair < end and seq.pair_states[pair] is PairState.TARGET
+        return self.sink_pairs <= pair < end and seq.pair_states[pair] is PairState.TARGET and not self._shared(seq,
+                                                                                                                pair)
 
     def num_demotable_pairs(self, seq: Sequence) -> int:
         """``len(demotable_pairs(seq))`` without building the list (every step's observation counts them)."""
         end = self.num_complete_pairs(seq) - self.recent_pairs
         if end <= self.sink_pairs:
             return 0
+        if any(seq.cache_held):  # shared pairs are not demotable: count them out one by one
+            return sum(1 for _ in self.iter_demotable_pairs(seq))
         if not seq.has_base_pairs():
             return end - self.sink_pairs
         return seq.pair_states[self.sink_pairs : end].count(PairState.TARGET)
@@ -310,6 +296,9 @@ class KVManager:
         if not self._free_slots:
             raise EngineError("demotion needs a free host-backing slot")
         slot = self._free_slots.popleft()
+        if pair < len(seq.cache_held) and seq.cache_held[pair]:  # its only user takes it back from the cache
+            self.prefix_cache.forget(seq.pair_hashes[pair])
+            seq.cache_held[pair] = False
         block_a, block_b = seq.block_table[2 * pair], seq.block_table[2 * pair + 1]
         seq.block_table[2 * pair + 1] = block_a
         seq.pair_states[pair] = PairState.BASE

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from elastiserve.engine.block_pool import BlockPool, SumBlockPool
 from elastiserve.engine.config import EngineConfig
-from elastiserve.engine.kv_manager import BlockPool, SumBlockPool
 from elastiserve.platforms import ConfigError
 
 log = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from elastiserve.engine.errors import InvalidRequest
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.observe import engine_stats, observe_step
 from elastiserve.engine.outputs import CompletionResult, RequestOutput, TokenLogprob
+from elastiserve.engine.prefix_cache import PrefixCache
 from elastiserve.engine.runner import ModelRunner
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
@@ -83,6 +84,7 @@ class LLMEngine:
             self.runner.host_backing.shape[0],
             sink_pairs=config.sink_pairs,
             recent_pairs=config.recent_pairs,
+            prefix_cache=PrefixCache() if config.enable_prefix_caching else None,
         )
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
@@ -194,6 +196,7 @@ class LLMEngine:
         for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
             self.kv.record_exposure(seq, batch.seq_len_after(i))
             seq.num_computed_tokens += n
+            self.kv.register_pairs(seq)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
             if token is None:

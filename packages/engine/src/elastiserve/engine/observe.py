@@ -58,6 +58,10 @@ def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, de
 def engine_stats(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, events: Any) -> dict[str, Any]:
     """What ``LLMEngine.stats()`` reports (the Prometheus exporter turns every numeric field into a gauge)."""
     counts = kv.counts()
+    cache = kv.prefix_cache
+    if cache is not None:  # cumulative prompt tokens looked up and found, and the pairs the cache holds now
+        counts |= {"prefix_cache_queried_tokens": cache.queried_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
+                   "prefix_cache_pairs": len(cache), "prefix_cache_retained_blocks": cache.num_retained_blocks}
     return {
         **counts,
         "kv_usage": 1.0 - counts["free_blocks"] / max(1, counts["kv_blocks"]),  # of what KV can use now

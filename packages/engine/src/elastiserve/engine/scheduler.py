@@ -206,6 +206,7 @@ class Scheduler:
             seq = self.waiting[0]
             if tally is not None and not self.admission.admit(tally, seq):
                 break
+            self.kv.match_prefix(seq)  # cached pairs from the prompt's start are not computed again
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.running:  # alone, a request starts in whatever the pool has
                 n = self._tokens_that_fit(seq, n)
@@ -213,6 +214,7 @@ class Scheduler:
             # partly prefilled requests that decode growth then preempted (the H200 engine preempted static-fp16
             # 2,725 times at concurrency 64 on the 20 GB pool, where the simulator, which waits, preempted 51).
             if n == 0 or not self.kv.allocate(seq, n):
+                self.kv.unmatch(seq)
                 if not self.running:
                     raise EngineError(
                         f"request {seq.request_id} cannot get a single KV block with nothing running "

@@ -1,0 +1,177 @@
+"""Automatic prefix caching: the cache's reference counts and least-recently-released eviction, the caching pool's
+free count (retained blocks count as free and are evicted on demand), the KV manager's matching, registration,
+demotion rules (a shared pair is never demoted, an unshared one leaves the cache) and block books, and end to end:
+a request whose prompt starts like an earlier one skips those pairs and still gives the transformers reference's
+greedy tokens, also after a preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_engine_e2e import block_size_for, hf_greedy, make_engine, tiny_llama  # noqa: F401  (fixture)
+
+from elastiserve.engine import cli
+from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.errors import EngineError
+from elastiserve.engine.kv_manager import FlatBlockPool, KVManager
+from elastiserve.engine.prefix_cache import CachingBlockPool, PrefixCache, pair_hash
+from elastiserve.engine.sampling import SamplingParams
+from elastiserve.engine.sequence import PairState, Sequence, SequenceMetrics
+from elastiserve.platforms import ConfigError
+
+pytestmark = [pytest.mark.cpu]
+
+BS = 4  # pairs of 8 tokens
+
+
+def test_retained_pairs_are_evicted_least_recently_released_first():
+    cache = PrefixCache()
+    keys = [pair_hash(None, [i, i]) for i in range(3)]
+    for i, key in enumerate(keys):
+        cache.insert(key, (2 * i, 2 * i + 1))
+    assert cache.num_retained_blocks == 0 and cache.evict(2) == []  # all in use
+    cache.release(keys[2])
+    cache.release(keys[0])
+    assert cache.num_retained_blocks == 4
+    assert cache.acquire(keys[2]) == (4, 5) and cache.num_retained_blocks == 2  # in use again
+    assert cache.evict(1) == [0, 1] and keys[0] not in cache
+    with pytest.raises(EngineError, match="registered twice"):
+        cache.insert(keys[1], (9, 9))
+    cache.release(keys[1])
+    with pytest.raises(EngineError, match="released more often"):
+        cache.release(keys[1])
+    assert cache.acquire(keys[1]) == (2, 3)
+    cache.acquire(keys[1])
+    with pytest.raises(EngineError, match="2 users"):
+        cache.forget(keys[1])
+    assert pair_hash(keys[0], [1, 2]) != pair_hash(keys[1], [1, 2])  # the same tokens after another prefix
+
+
+def test_caching_pool_counts_retained_blocks_as_free_and_evicts_them_on_demand():
+    cache = PrefixCache()
+    pool = CachingBlockPool(FlatBlockPool(6), cache)
+    blocks = pool.allocate(4)
+    cache.insert(b"a", (blocks[0], blocks[1]))
+    cache.insert(b"b", (blocks[2], blocks[3]))
+    cache.release(b"a")
+    assert pool.num_free() == 4 and pool.num_allocated() == 2
+    assert pool.allocate(5) is None  # 2 free + 2 retained
+    assert len(pool.allocate(3)) == 3  # the retained pair is evicted for it
+    assert b"a" not in cache and b"b" in cache and pool.num_free() == 1
+
+
+def make_seq(request_id: str, tokens: list[int]) -> Sequence:
+    return Sequence(request_id, list(tokens), len(tokens), SamplingParams(), SequenceMetrics(0.0))
+
+
+def prefill(kv: KVManager, seq: Sequence) -> Sequence:
+    assert kv.allocate(seq, seq.num_uncomputed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.register_pairs(seq)
+    return seq
+
+
+def test_a_matching_prompt_takes_the_cached_pairs_and_a_shared_pair_is_never_demoted():
+    kv = KVManager(FlatBlockPool(64), BS, 16, sink_pairs=0, recent_pairs=0, prefix_cache=PrefixCache())
+    first = prefill(kv, make_seq("a", range(30)))  # 3 complete pairs (24 tokens) and a partial one
+    assert len(kv.prefix_cache) == 3 and first.cache_held == [True] * 3
+    second = make_seq("b", [*range(24), 99, 98])  # the same 3 pairs, then other tokens
+    assert kv.match_prefix(second) == 24
+    assert second.block_table == first.block_table[:6] and second.num_uncomputed_tokens == 2
+    assert kv.demotable_pairs(first) == [] and kv.num_demotable_pairs(first) == 0  # every complete pair is shared
+    kv.free_sequence(first)  # the pairs stay: `b` uses them
+    assert kv.demotable_pairs(second) == [0, 1, 2]  # now its own user alone
+    op = kv.demote(second, 1)
+    assert second.pair_states[1] is PairState.BASE and not second.cache_held[1] and len(kv.prefix_cache) == 2
+    kv.release_demoted([op])
+    kv.free_sequence(second)
+    assert kv.pool.num_free(False) == 64 and kv.prefix_cache.num_retained_blocks == 4  # pairs 0 and 2 retained
+    third = make_seq("c", [*range(24), 7])
+    assert kv.match_prefix(third) == 8  # pair 1 was demoted and left the cache: the chain stops there
+    whole = make_seq("d", range(24))
+    assert kv.match_prefix(whole) == 8  # one token is always left to compute (at most 23 of 24 from the cache)
+    scored = Sequence("e", list(range(30)), 30, SamplingParams(prompt_logprobs=1), SequenceMetrics(0.0))
+    assert kv.match_prefix(scored) == 0  # prompt logprobs need every prompt position computed
+
+
+def test_books_stay_whole_over_random_sharing():
+    """Random prompts over a few shared prefixes: admit (matching), prefill, demote unshared pairs, finish in any
+    order. No block is owned twice, and once everything is freed and the cache emptied the pool is whole."""
+    rng = random.Random(3)
+    kv = KVManager(FlatBlockPool(400), BS, 64, sink_pairs=0, recent_pairs=0, prefix_cache=PrefixCache())
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(8, 40))] for _ in range(4)]
+    live: list[Sequence] = []
+    for i in range(200):
+        if live and (len(live) > 8 or rng.random() < 0.4):
+            kv.free_sequence(live.pop(rng.randrange(len(live))))
+        else:
+            seq = make_seq(f"r{i}", rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 20))])
+            kv.match_prefix(seq)
+            if not kv.allocate(seq, seq.num_uncomputed_tokens):
+                kv.unmatch(seq)
+                continue
+            seq.num_computed_tokens = seq.num_tokens
+            kv.register_pairs(seq)
+            live.append(seq)
+            for pair in kv.demotable_pairs(seq)[: rng.randrange(2)]:
+                kv.release_demoted([kv.demote(seq, pair)])
+        owners: dict[int, set[str]] = {}
+        for seq in live:
+            for block in set(seq.block_table):
+                owners.setdefault(block, set()).add(seq.request_id)
+        shared = {b for seq in live for p, held in enumerate(seq.cache_held) if held
+                  for b in seq.block_table[2 * p : 2 * p + 2]}  # fmt: skip
+        assert all(len(o) == 1 or b in shared for b, o in owners.items())
+        assert kv.pool.num_free(False) + len(owners) == 400  # free (retained included) and in use never overlap
+    for seq in live:
+        kv.free_sequence(seq)
+    assert kv.pool.num_free(False) == 400
+    kv.pool.inner.free(kv.prefix_cache.evict(400))
+    assert kv.pool.inner.num_free(False) == 400 and len(kv.prefix_cache) == 0
+
+
+def test_policies_that_evict_residuals_refuse_prefix_caching():
+    for policy in ("dps", "combined"):
+        with pytest.raises(ConfigError, match="enable_prefix_caching"):
+            EngineConfig(model="m", policy=policy, enable_prefix_caching=True)
+    assert EngineConfig(model="m", policy="elastickv", enable_prefix_caching=True).enable_prefix_caching
+    args = cli.build_parser().parse_args(["serve", "smollm2", "--enable-prefix-caching"])
+    assert cli.engine_settings(args)["enable_prefix_caching"] is True
+
+
+@pytest.mark.cuda
+def test_a_cached_prefix_gives_the_reference_tokens(tiny_llama, device):  # noqa: F811
+    engine = make_engine(tiny_llama, device, enable_prefix_caching=True)
+    pair = 2 * block_size_for(device)
+    shared = [(7 * i + 3) % 200 for i in range(3 * pair + 5)]
+    prompts = [[*shared, 11, 12, 13], [*shared, 50, 51]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = engine.generate(prompts[:1], params)[0]
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    second = engine.generate(prompts[1:], params)[0]
+    assert engine.stats()["prefix_cache_hit_tokens"] == 3 * pair  # the shared pairs, not the partial one
+    for prompt, result in zip(prompts, (first, second)):
+        assert result.token_ids == hf_greedy(tiny_llama[1], prompt, params.max_tokens)
+    stats = engine.stats()
+    assert stats["prefix_cache_retained_blocks"] > 0
+    assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks  # retained blocks count as free
+
+
+@pytest.mark.cuda
+def test_a_preempted_request_comes_back_through_its_own_cached_pairs(tiny_llama, device):  # noqa: F811
+    engine = make_engine(tiny_llama, device, enable_prefix_caching=True)
+    pair = 2 * block_size_for(device)
+    prompt = [(5 * i + 1) % 200 for i in range(4 * pair)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    seq = engine.scheduler.find("r")
+    while seq.num_output_tokens < 3:
+        engine.step()
+    engine.scheduler.preempt(seq)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert engine.stats()["prefix_cache_hit_tokens"] >= 3 * pair  # at least the prompt's first three pairs
+    assert seq.output_token_ids == hf_greedy(tiny_llama[1], prompt, params.max_tokens)
+    assert outputs[-1].finished and seq.metrics.preemptions == 1
