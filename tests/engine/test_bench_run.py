@@ -18,6 +18,7 @@ from elastiserve.engine.bench.replay import ReplayResult, replay_in_process
 from elastiserve.engine.bench.results import capacity, fp8_layer_time, per_request, summarize
 from elastiserve.engine.bench.run import BenchPlan, run_bench
 from elastiserve.engine.bench.workload import WorkloadSpec, build_requests, make_prompts
+from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu]
 
@@ -95,6 +96,17 @@ def test_prompts_have_exact_lengths_and_avoid_eos():
     assert [len(p) for p in prompts] == [37] * 5
     assert all(0 <= t < 260 and t != EOS for p in prompts for t in p)
     assert prompts == make_prompts(requests, 260, avoid=frozenset({EOS}), seed=3)  # deterministic
+
+
+def test_shared_prefix_prompts():
+    """``shared_prefix`` ids open every prompt (all of a shorter one); the rest differ; lengths stay exact."""
+    requests = [Request(i, 0.0, n, 2) for i, n in enumerate((30, 12, 25))]
+    prompts = make_prompts(requests, 260, avoid=frozenset({EOS}), seed=5, shared_prefix=20)
+    assert [len(p) for p in prompts] == [30, 12, 25]
+    assert prompts[0][:20] == prompts[2][:20] and prompts[1] == prompts[0][:12]
+    assert prompts[0][20:25] != prompts[2][20:25]
+    with pytest.raises(ConfigError, match="shared_prefix"):
+        WorkloadSpec(shared_prefix=-1)
 
 
 def test_trace_window_and_clipping():

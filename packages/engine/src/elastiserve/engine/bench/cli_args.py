@@ -31,6 +31,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--max-prompt", type=int, default=None, help="clip prompt lengths")
     p.add_argument("--max-output", type=int, default=None, help="clip output lengths")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="every prompt starts with the same this many tokens (a system prompt; see "
+                        "--enable-prefix-caching)")
     p.add_argument("--rate", dest="rates", type=float, action="append", default=None,
                    help="request rate (req/s); repeat for a sweep")
     p.add_argument("--cv", type=float, default=2.0, help="coefficient of variation of Gamma arrivals")
@@ -52,7 +55,8 @@ def plan_from_args(args: argparse.Namespace, engine_settings: dict[str, Any]):
     spec = WorkloadSpec(kind=args.workload, trace=args.trace, start=args.start, count=args.count,
                         time_scale=args.time_scale, rate=rates[0] if rates else None, cv=args.cv,
                         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
-                        max_prompt=args.max_prompt, max_output=args.max_output, seed=args.workload_seed,
+                        max_prompt=args.max_prompt, max_output=args.max_output,
+                        shared_prefix=args.shared_prefix, seed=args.workload_seed,
                         trace_dir=args.trace_dir)
     policies = tuple(args.policies or [getattr(args, "policy", "static-fp16")])
     return BenchPlan(spec, policies=policies, rates=rates,

@@ -45,7 +45,7 @@ def _run_point(plan: BenchPlan, replay: Callable[..., ReplayResult], rate: float
     # A swept rate replaces the workload's arrivals (for a trace: Gamma(cv) arrivals over its lengths).
     spec = plan.workload.with_rate(rate) if rate is not None else plan.workload
     requests = build_requests(spec)
-    prompts = make_prompts(requests, vocab, avoid=avoid, seed=spec.seed)
+    prompts = make_prompts(requests, vocab, avoid=avoid, seed=spec.seed, shared_prefix=spec.shared_prefix)
     return replay(requests, prompts, concurrency), requests
 
 

@@ -35,6 +35,7 @@ class WorkloadSpec:
     output_len: int = 1024
     max_prompt: int | None = None
     max_output: int | None = None
+    shared_prefix: int = 0  # every prompt starts with the same this many ids (a system prompt), as far as it reaches
     seed: int = 0
     trace_dir: Path | None = field(default=None)
 
@@ -45,6 +46,8 @@ class WorkloadSpec:
             raise ConfigError(f"workload kind {self.kind!r} needs a positive rate")
         if self.kind == "fixed" and (self.input_len < 1 or self.output_len < 1):
             raise ConfigError("fixed workloads need input_len and output_len >= 1")
+        if self.shared_prefix < 0:
+            raise ConfigError(f"shared_prefix={self.shared_prefix}: expected >= 0")
 
     def with_rate(self, rate: float) -> WorkloadSpec:
         import dataclasses
@@ -66,15 +69,18 @@ def build_requests(spec: WorkloadSpec) -> list[Request]:
 
 
 def make_prompts(requests: list[Request], vocab_size: int, *, avoid: frozenset[int] = frozenset(),
-                 seed: int = 0, low: int = 0) -> list[list[int]]:
-    """One random prompt of exactly ``prompt_tokens`` ids per request; ids in [low, vocab_size) minus ``avoid``."""
+                 seed: int = 0, low: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    """One random prompt of exactly ``prompt_tokens`` ids per request; ids in [low, vocab_size) minus ``avoid``.
+    The first ``shared_prefix`` ids (or the whole prompt, if shorter) are the same in every prompt."""
     rng = random.Random(seed)
-    prompts = []
-    for r in requests:
-        ids = []
-        while len(ids) < r.prompt_tokens:
+
+    def draw(n: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < n:
             t = rng.randrange(low, vocab_size)
             if t not in avoid:
                 ids.append(t)
-        prompts.append(ids)
-    return prompts
+        return ids
+
+    prefix = draw(shared_prefix)
+    return [prefix[: r.prompt_tokens] + draw(r.prompt_tokens - min(shared_prefix, r.prompt_tokens)) for r in requests]
