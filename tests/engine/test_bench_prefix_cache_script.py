@@ -4,16 +4,13 @@ counter stays at zero."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from engine_scripts import load_engine_script
 
 pytestmark = [pytest.mark.cpu]
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "engine"
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -23,13 +20,7 @@ TINY_LLAMA = {
 
 def test_bench_prefix_cache_on_a_tiny_llama(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # reference kernels on the CPU
-    sys.path.insert(0, str(SCRIPTS))  # the script imports its helpers from bench_decode beside it
-    try:
-        spec = importlib.util.spec_from_file_location("bench_prefix_cache", SCRIPTS / "bench_prefix_cache.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    module = load_engine_script("bench_prefix_cache")
     out = tmp_path / "prefix.json"
     # 6 requests of 80 tokens, 64 shared: 2 whole 32-token pairs (block 16) from the cache for each of 5 requests
     module.main(["--device", "cpu", "--model", json.dumps(TINY_LLAMA), "--load-format", "dummy", "--requests", "6",

@@ -5,16 +5,13 @@ operators.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from engine_scripts import load_engine_script
 
 pytestmark = [pytest.mark.cpu]
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "engine"
 TINY_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
     "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
@@ -24,14 +21,7 @@ TINY_MOE = {
 
 
 def load_script():
-    sys.path.insert(0, str(SCRIPTS))  # the script imports its helpers from bench_decode beside it
-    try:
-        spec = importlib.util.spec_from_file_location("profile_mixed_step", SCRIPTS / "profile_mixed_step.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return module
+    return load_engine_script("profile_mixed_step")
 
 
 def test_profile_mixed_step_on_a_tiny_moe(tmp_path, monkeypatch):
