@@ -17,6 +17,7 @@ from elastiserve.engine.errors import EngineError
 from elastiserve.engine.kv_manager import FlatBlockPool, KVManager
 from elastiserve.engine.prefix_cache import CachingBlockPool, PrefixCache, pair_hash
 from elastiserve.engine.sampling import SamplingParams
+from elastiserve.engine.scheduler import Scheduler
 from elastiserve.engine.sequence import PairState, Sequence, SequenceMetrics
 from elastiserve.platforms import ConfigError
 
@@ -93,6 +94,16 @@ def test_a_matching_prompt_takes_the_cached_pairs_and_a_shared_pair_is_never_dem
     assert kv.match_prefix(whole) == 8  # one token is always left to compute (at most 23 of 24 from the cache)
     scored = Sequence("e", list(range(30)), 30, SamplingParams(prompt_logprobs=1), SequenceMetrics(0.0))
     assert kv.match_prefix(scored) == 0  # prompt logprobs need every prompt position computed
+
+
+def test_the_dry_run_demands_only_the_uncached_part_of_a_queued_prompt():
+    kv = KVManager(FlatBlockPool(64), BS, 16, prefix_cache=PrefixCache())
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    kv.free_sequence(prefill(kv, make_seq("a", range(30))))  # 3 pairs retained
+    scheduler.add(make_seq("b", [*range(24), 5, 6, 7]))  # 24 of 27 tokens cached: 3 to compute, one block
+    assert scheduler.dry_run().blocks_needed == 1
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [3] and scheduler.running[0].num_computed_tokens == 24
 
 
 def test_books_stay_whole_over_random_sharing():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastiserve.engine.block_pool import BlockPool, FlatBlockPool, SumBlockPool
 from elastiserve.engine.errors import EngineError
-from elastiserve.engine.prefix_cache import CachingBlockPool, PrefixCache, pair_hash
+from elastiserve.engine.prefix_cache import CachingBlockPool, PrefixCache, cached_run, hash_at
 from elastiserve.engine.sequence import PairState, Sequence
 
 if TYPE_CHECKING:
@@ -154,13 +154,11 @@ class KVManager:
         """Return every block, reserved promotion block and host slot of ``seq`` (finish, abort, preemption); pairs
         the prefix cache holds are released to it instead."""
         blocks = set(seq.block_table)
-        if any(seq.cache_held):
-            for pair, key in enumerate(seq.pair_hashes):
-                if seq.cache_held[pair]:
-                    self.prefix_cache.release(key)
-                    blocks.difference_update(seq.block_table[2 * pair : 2 * pair + 2])
-        seq.pair_hashes.clear()
-        seq.cache_held.clear()
+        for pair, held in enumerate(seq.cache_held):
+            if held:
+                self.prefix_cache.release(seq.pair_hashes[pair])
+                blocks.difference_update(seq.block_table[2 * pair : 2 * pair + 2])
+        seq.cache_held.clear()  # the hash memo stays: the tokens have not changed
         for pair in range(len(seq.pair_states)):
             op = self._promotions.pop((seq.request_id, pair), None)
             if op is not None:
@@ -178,24 +176,24 @@ class KVManager:
         """Give a sequence that holds no blocks the longest run of cached pairs from its start; returns the tokens
         it no longer computes. One token is always left to compute (the step samples from it), and requests that
         want prompt logprobs compute their whole prompt."""
-        cache = self.prefix_cache
-        if cache is None or seq.block_table or seq.params.prompt_logprobs is not None:
-            return 0
-        pair_tokens = 2 * self.block_size
-        keys: list[bytes] = []
-        for pair in range((seq.num_tokens - 1) // pair_tokens):
-            key = pair_hash(keys[-1] if keys else None, seq.token_ids[pair * pair_tokens : (pair + 1) * pair_tokens])
-            if key not in cache:
-                break
-            keys.append(key)
-        for key in keys:
-            seq.block_table.extend(cache.acquire(key))
-        seq.pair_states[:] = [PairState.TARGET] * len(keys)
-        seq.pair_hashes[:] = keys
-        seq.cache_held[:] = [True] * len(keys)
-        seq.num_computed_tokens = len(keys) * pair_tokens
-        cache.record_lookup(seq.num_tokens, seq.num_computed_tokens)
+        pairs = self._cached_pairs(seq)
+        for key in seq.pair_hashes[:pairs]:
+            seq.block_table.extend(self.prefix_cache.acquire(key))
+        seq.pair_states[:] = [PairState.TARGET] * pairs
+        seq.cache_held[:] = [True] * pairs
+        seq.num_computed_tokens = pairs * 2 * self.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.record_lookup(seq.num_tokens, seq.num_computed_tokens)
         return seq.num_computed_tokens
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """What ``match_prefix`` would give ``seq`` now, taking nothing (the scheduler's dry run)."""
+        return self._cached_pairs(seq) * 2 * self.block_size
+
+    def _cached_pairs(self, seq: Sequence) -> int:
+        if self.prefix_cache is None or seq.block_table or seq.params.prompt_logprobs is not None:
+            return 0
+        return cached_run(self.prefix_cache, seq, 2 * self.block_size)
 
     def unmatch(self, seq: Sequence) -> None:
         """Undo ``match_prefix`` for a sequence that was not admitted after all."""
@@ -203,19 +201,16 @@ class KVManager:
         seq.num_computed_tokens = 0
 
     def register_pairs(self, seq: Sequence) -> None:
-        """Hash the pairs ``seq`` completed since the last call and hand the new ones to the prefix cache (a pair
-        whose content another sequence registered first stays the sequence's own)."""
+        """Hand the pairs ``seq`` completed since the last call to the prefix cache (a pair whose content another
+        sequence registered first stays the sequence's own)."""
         cache = self.prefix_cache
         if cache is None:
             return
-        pair_tokens = 2 * self.block_size
-        for pair in range(len(seq.pair_hashes), self.num_complete_pairs(seq)):
-            parent = seq.pair_hashes[-1] if seq.pair_hashes else None
-            key = pair_hash(parent, seq.token_ids[pair * pair_tokens : (pair + 1) * pair_tokens])
+        for pair in range(len(seq.cache_held), self.num_complete_pairs(seq)):
+            key = hash_at(seq, pair, 2 * self.block_size)
             held = seq.pair_states[pair] is PairState.TARGET and key not in cache
             if held:
                 cache.insert(key, (seq.block_table[2 * pair], seq.block_table[2 * pair + 1]))
-            seq.pair_hashes.append(key)
             seq.cache_held.append(held)
 
     # ---- pairs -----------------------------------------------------------------------------------------------

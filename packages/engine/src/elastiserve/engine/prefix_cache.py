@@ -31,6 +31,24 @@ def pair_hash(parent: bytes | None, tokens: Iterable[int]) -> bytes:
     return digest.digest()
 
 
+def hash_at(seq, pair: int, pair_tokens: int) -> bytes:
+    """The chain hash of ``seq``'s pair ``pair``, from its memo ``seq.pair_hashes`` (extended as needed; a
+    sequence's token ids only ever grow at the end, so the memo stays valid, across preemptions too)."""
+    memo = seq.pair_hashes
+    for p in range(len(memo), pair + 1):
+        memo.append(pair_hash(memo[-1] if memo else None, seq.token_ids[p * pair_tokens : (p + 1) * pair_tokens]))
+    return memo[pair]
+
+
+def cached_run(cache: PrefixCache, seq, pair_tokens: int) -> int:
+    """How many pairs from ``seq``'s start the cache holds, leaving at least one token to compute."""
+    limit = (seq.num_tokens - 1) // pair_tokens
+    for pair in range(limit):
+        if hash_at(seq, pair, pair_tokens) not in cache:
+            return pair
+    return limit
+
+
 @dataclass(slots=True)
 class CachedPair:
     blocks: tuple[int, int]

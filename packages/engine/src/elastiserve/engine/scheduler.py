@@ -144,8 +144,8 @@ class Scheduler:
                 break
             if tally is not None and not self.admission.admit(tally, seq):
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
-            blocks += self.kv.blocks_needed(seq, n)
+            n = min(seq.num_uncomputed_tokens - self.kv.cached_prefix_tokens(seq), budget)
+            blocks += self.kv.blocks_for(n)  # what the prefix cache already holds is not demanded again
             budget -= n
             prefill_tokens += n
             num_seqs += 1

@@ -48,8 +48,8 @@ class Sequence:
     finish_reason: str | None = None
     output_text: str = ""
     prompt_logprobs: list | None = None  # TokenLogprobs of the prompt so far, when its params ask for them
-    pair_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain hash of each complete pair
-    cache_held: list[bool] = field(default_factory=list)  # per hashed pair: its blocks belong to the prefix cache
+    pair_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain hashes of leading pairs (a memo)
+    cache_held: list[bool] = field(default_factory=list)  # per registered pair: its blocks belong to the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -98,7 +98,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table.clear()
         self.pair_states.clear()
-        self.pair_hashes.clear()
         self.cache_held.clear()
         self.status = SequenceStatus.WAITING
         self.metrics.preemptions += 1
