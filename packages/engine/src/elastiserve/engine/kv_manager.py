@@ -177,13 +177,13 @@ class KVManager:
         it no longer computes. One token is always left to compute (the step samples from it), and requests that
         want prompt logprobs compute their whole prompt."""
         pairs = self._cached_pairs(seq)
+        if pairs == 0:
+            return 0
         for key in seq.pair_hashes[:pairs]:
             seq.block_table.extend(self.prefix_cache.acquire(key))
         seq.pair_states[:] = [PairState.TARGET] * pairs
         seq.cache_held[:] = [True] * pairs
         seq.num_computed_tokens = pairs * 2 * self.block_size
-        if self.prefix_cache is not None:
-            self.prefix_cache.record_lookup(seq.num_tokens, seq.num_computed_tokens)
         return seq.num_computed_tokens
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
@@ -197,8 +197,14 @@ class KVManager:
 
     def unmatch(self, seq: Sequence) -> None:
         """Undo ``match_prefix`` for a sequence that was not admitted after all."""
-        self.free_sequence(seq)
-        seq.num_computed_tokens = 0
+        if seq.block_table:
+            self.free_sequence(seq)
+            seq.num_computed_tokens = 0
+
+    def count_prefix_lookup(self, seq: Sequence, matched_tokens: int) -> None:
+        """An admitted sequence's lookup, for the cache's hit counters (retried admissions count once)."""
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+            self.prefix_cache.record_lookup(seq.num_tokens, matched_tokens)
 
     def register_pairs(self, seq: Sequence) -> None:
         """Hand the pairs ``seq`` completed since the last call to the prefix cache (a pair whose content another
@@ -252,8 +258,8 @@ class KVManager:
 
     def is_demotable(self, seq: Sequence, pair: int) -> bool:
         end = self.num_complete_pairs(seq) - self.recent_pairs
-        return self.sink_pairs <= pair < end and seq.pair_states[pair] is PairState.TARGET and not self._shared(seq,
-                                                                                                                pair)
+        in_range = self.sink_pairs <= pair < end
+        return in_range and seq.pair_states[pair] is PairState.TARGET and not self._shared(seq, pair)
 
     def num_demotable_pairs(self, seq: Sequence) -> int:
         """``len(demotable_pairs(seq))`` without building the list (every step's observation counts them)."""

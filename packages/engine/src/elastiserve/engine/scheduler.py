@@ -206,7 +206,7 @@ class Scheduler:
             seq = self.waiting[0]
             if tally is not None and not self.admission.admit(tally, seq):
                 break
-            self.kv.match_prefix(seq)  # cached pairs from the prompt's start are not computed again
+            matched = self.kv.match_prefix(seq)  # cached pairs from the prompt's start are not computed again
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.running:  # alone, a request starts in whatever the pool has
                 n = self._tokens_that_fit(seq, n)
@@ -222,6 +222,7 @@ class Scheduler:
                     )
                 break
             self.waiting.popleft()
+            self.kv.count_prefix_lookup(seq, matched)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
