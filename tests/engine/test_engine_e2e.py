@@ -171,6 +171,16 @@ def nested_linears(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, NestedLinear) and m.is_nested}
 
 
+def step_until_full_precision(engine) -> None:
+    """Step until every layer is back in full precision (the restore worker copies on its own thread)."""
+    for _ in range(400):
+        engine.step()
+        if not engine.runner.fast_layers:
+            break
+        time.sleep(0.005)
+    assert engine.runner.fast_layers == frozenset()
+
+
 @pytest.mark.cuda
 def test_full_fast_full_switch_restores_weights_bit_exactly(tiny_llama, device):
     from elastiserve.kernels import formats
@@ -194,12 +204,7 @@ def test_full_fast_full_switch_restores_weights_bit_exactly(tiny_llama, device):
     engine.runner.kv_cache[blocks] = torch.randn_like(engine.runner.kv_cache[blocks])
     pool.free(blocks)
     assert any(not torch.equal(m.lower, lower_before[n]) for n, m in linears.items()), "units are dual-mapped"
-    for _ in range(400):
-        engine.step()
-        if not engine.runner.fast_layers:
-            break
-        time.sleep(0.005)  # the restore worker copies on its own thread
-    assert engine.runner.fast_layers == frozenset()
+    step_until_full_precision(engine)
     for name, m in linears.items():
         assert torch.equal(m.lower, lower_before[name]), name
         assert torch.equal(formats.merge(m.upper, m.lower, m.nesting, m.weight_exp), original_weights[name]), name

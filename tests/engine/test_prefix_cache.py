@@ -9,7 +9,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_engine_e2e import block_size_for, hf_greedy, make_engine, tiny_llama  # noqa: F401  (fixture)
+from test_engine_e2e import (  # noqa: F401  (tiny_llama: a fixture)
+    block_size_for,
+    hf_greedy,
+    make_engine,
+    step_until_full_precision,
+    tiny_llama,
+)
 
 from elastiserve.engine import cli
 from elastiserve.engine.config import EngineConfig
@@ -19,7 +25,6 @@ from elastiserve.engine.prefix_cache import CachingBlockPool, PrefixCache, pair_
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler
 from elastiserve.engine.sequence import PairState, Sequence, SequenceMetrics
-from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu]
 
@@ -142,11 +147,28 @@ def test_books_stay_whole_over_random_sharing():
     assert kv.pool.inner.num_free(False) == 400 and len(kv.prefix_cache) == 0
 
 
-def test_policies_that_evict_residuals_refuse_prefix_caching():
-    for policy in ("dps", "combined"):
-        with pytest.raises(ConfigError, match="enable_prefix_caching"):
-            EngineConfig(model="m", policy=policy, enable_prefix_caching=True)
-    assert EngineConfig(model="m", policy="elastickv", enable_prefix_caching=True).enable_prefix_caching
+def test_without_retention_released_pairs_go_back_to_the_pool():
+    """While weight residuals are evicted the cache retains nothing: turning retention off frees what it held, and
+    a pair whose last user leaves then returns to the pool; sharing among live sequences goes on."""
+    kv = KVManager(FlatBlockPool(64), BS, 16, prefix_cache=PrefixCache())
+    kv.free_sequence(prefill(kv, make_seq("a", range(30))))
+    assert kv.prefix_cache.num_retained_blocks == 6 and kv.pool.inner.num_free(False) == 58
+    kv.set_cache_retention(False)
+    assert kv.prefix_cache.num_retained_blocks == 0 and kv.pool.inner.num_free(False) == 64
+    first = prefill(kv, make_seq("b", range(30)))
+    second = make_seq("c", [*range(24), 1])
+    assert kv.match_prefix(second) == 24  # live pairs are still shared
+    kv.free_sequence(first)
+    kv.free_sequence(second)
+    assert len(kv.prefix_cache) == 0 and kv.pool.inner.num_free(False) == 64
+    kv.set_cache_retention(True)
+    kv.free_sequence(prefill(kv, make_seq("d", range(30))))
+    assert kv.prefix_cache.num_retained_blocks == 6
+
+
+def test_prefix_caching_config_and_flag():
+    for policy in ("static-fp16", "elastickv", "dps", "combined", "static-fp8"):
+        assert EngineConfig(model="m", policy=policy, enable_prefix_caching=True).enable_prefix_caching
     args = cli.build_parser().parse_args(["serve", "smollm2", "--enable-prefix-caching"])
     assert cli.engine_settings(args)["enable_prefix_caching"] is True
 
@@ -186,3 +208,28 @@ def test_a_preempted_request_comes_back_through_its_own_cached_pairs(tiny_llama,
     assert engine.stats()["prefix_cache_hit_tokens"] >= 3 * pair  # at least the prompt's first three pairs
     assert seq.output_token_ids == hf_greedy(tiny_llama[1], prompt, params.max_tokens)
     assert outputs[-1].finished and seq.metrics.preemptions == 1
+
+
+@pytest.mark.cuda
+def test_cached_pairs_do_not_keep_an_evicted_model_in_fp8(tiny_llama, device):  # noqa: F811
+    """dps with prefix caching: a finished request's pairs are retained in full precision; when every residual is
+    evicted retention stops and frees them, and the restore brings the model back to full precision."""
+    from scripted_policies import EvictThenRestore
+
+    engine = make_engine(tiny_llama, device, scripted=EvictThenRestore(evict_at=8, restore_from=9), policy="dps",
+                         enable_prefix_caching=True)
+    pair = 2 * block_size_for(device)
+    free_at_start = engine.kv.pool.num_free(False)  # units holding residuals are not free
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.generate([[(3 * i + 2) % 200 for i in range(2 * pair + 1)]], params)
+    assert engine.stats()["prefix_cache_retained_blocks"] == 4 and engine.runner.fast_layers == frozenset()
+    engine.add_request("r", [(3 * i + 2) % 200 for i in range(2 * pair + 3)], SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True))
+    while engine.step_count <= 8:
+        engine.step()
+    assert engine.runner.fast_layers == frozenset(range(3))
+    assert engine.stats()["prefix_cache_retained_blocks"] == 0  # flushed: restore needs whole free units
+    step_until_full_precision(engine)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.pool.num_free(False) == free_at_start  # the request's pairs are retained again, as free

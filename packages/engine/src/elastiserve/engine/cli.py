@@ -62,8 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
                    help="seconds: cut prefill chunks so that a step takes at most this long in the current precision "
                         "mode, learned from recent steps (e.g. under a TBT SLO)")
     p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV of prompt prefixes (whole pairs of blocks) that earlier requests computed; "
-                        "not with dps or combined")
+                   help="reuse the KV of prompt prefixes (whole pairs of blocks) that earlier requests computed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-kv-blocks", type=int, default=512, help="KV pool size in blocks on the CPU")
 

@@ -38,7 +38,7 @@ class EngineConfig:
     # from the engine's recent steps (step_budget.py); None: every step may take max_num_batched_tokens.
     max_step_time_s: float | None = None
     # Reuse the KV of complete pairs whose tokens (and every token before them) match an earlier request's
-    # (prefix_cache.py). Not with policies that evict weight residuals: retained blocks would hold restore's units.
+    # (prefix_cache.py). While weight residuals are evicted, unused pairs are not retained (restore needs the units).
     enable_prefix_caching: bool = False
     seed: int = 0
     host_backing_bytes: int | None = None  # host memory for demoted pairs' low bytes; None: as large as the KV pool
@@ -66,9 +66,6 @@ class EngineConfig:
                      "graph_capture_after"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected at least 1")
-        if self.enable_prefix_caching and self.policy in ("dps", "combined"):
-            raise ConfigError(f"enable_prefix_caching is not supported with policy {self.policy!r}: blocks the cache "
-                              "retains would hold the units a residual restore needs")
         if self.sink_pairs < 0 or self.recent_pairs < 0:
             raise ConfigError("sink_pairs and recent_pairs must be >= 0")
         if self.max_model_len is not None and self.max_num_batched_tokens < 1:

@@ -155,8 +155,7 @@ class KVManager:
         the prefix cache holds are released to it instead."""
         blocks = set(seq.block_table)
         for pair, held in enumerate(seq.cache_held):
-            if held:
-                self.prefix_cache.release(seq.pair_hashes[pair])
+            if held and self.prefix_cache.release(seq.pair_hashes[pair]) is None:  # still cached: not ours to free
                 blocks.difference_update(seq.block_table[2 * pair : 2 * pair + 2])
         seq.cache_held.clear()  # the hash memo stays: the tokens have not changed
         for pair in range(len(seq.pair_states)):
@@ -200,6 +199,15 @@ class KVManager:
         if seq.block_table:
             self.free_sequence(seq)
             seq.num_computed_tokens = 0
+
+    def set_cache_retention(self, retain: bool) -> None:
+        """Turn retention of unused cached pairs on or off; turning it off frees what is retained."""
+        cache = self.prefix_cache
+        if cache is None or cache.retain == retain:
+            return
+        cache.retain = retain
+        if not retain:
+            self.pool.inner.free(cache.evict(cache.num_retained_blocks))
 
     def count_prefix_lookup(self, seq: Sequence, matched_tokens: int) -> None:
         """An admitted sequence's lookup, for the cache's hit counters (retried admissions count once)."""

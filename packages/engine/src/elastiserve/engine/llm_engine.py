@@ -340,6 +340,8 @@ class LLMEngine:
         self.kv.pool.drain_stale_layers()
         num_layers = self.model.config.num_hidden_layers
         stale = self.runner.pool.block_pool.state.fast_layers
+        # Retained prefix-cache blocks would hold the FREE units a residual restore needs (static-fp8 never restores)
+        self.kv.set_cache_retention(not stale or self.config.policy == "static-fp8")
         if self._precision is not None:
             stale = layers_to_run_fast(stale, self.runner.fast_layers, num_layers, self._precision)
         wanted = stale | self.runner.forced_fast_layers

@@ -9,8 +9,9 @@ demotion and admission see the same free count they would without the cache.
 
 Pairs are the unit because they are the unit of demotion: a BASE pair's two logical blocks share one packed block.
 A pair that several sequences use is never demoted (one sequence cannot change what the others read); a pair only
-its own sequence uses leaves the cache when that sequence demotes it. Policies that evict weight residuals into KV
-refuse prefix caching (``EngineConfig``): retained blocks would hold the units a restore needs.
+its own sequence uses leaves the cache when that sequence demotes it. While weight residuals are evicted (dps,
+combined) nothing is retained: a restore needs whole FREE units, and retained blocks scattered over the units would
+keep the model in FP8; retention resumes in full precision.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class PrefixCache:
     def __init__(self) -> None:
         self._entries: dict[bytes, CachedPair] = {}
         self._retained: OrderedDict[bytes, None] = OrderedDict()  # entries with no user, oldest release first
+        self.retain = True  # off while weight residuals are evicted: see ``KVManager.set_cache_retention``
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -89,14 +91,20 @@ class PrefixCache:
             raise EngineError("prefix cache entry registered twice")
         self._entries[key] = CachedPair(blocks)
 
-    def release(self, key: bytes) -> None:
-        """One user fewer; with none left the pair is retained for later requests."""
+    def release(self, key: bytes) -> tuple[int, int] | None:
+        """One user fewer. With none left the pair is retained for later requests, or, while retention is off,
+        leaves the cache: then its blocks are returned for the caller to free."""
         entry = self._entries[key]
         if entry.refs <= 0:
             raise EngineError("prefix cache entry released more often than acquired")
         entry.refs -= 1
-        if entry.refs == 0:
+        if entry.refs > 0:
+            return None
+        if self.retain:
             self._retained[key] = None
+            return None
+        del self._entries[key]
+        return entry.blocks
 
     def forget(self, key: bytes) -> tuple[int, int]:
         """Drop the entry of a pair its only user takes back (to demote it); the blocks stay with that user."""
