@@ -220,11 +220,11 @@ def test_cached_pairs_do_not_keep_an_evicted_model_in_fp8(tiny_llama, device):  
                          enable_prefix_caching=True)
     pair = 2 * block_size_for(device)
     free_at_start = engine.kv.pool.num_free(False)  # units holding residuals are not free
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     engine.generate([[(3 * i + 2) % 200 for i in range(2 * pair + 1)]], params)
     assert engine.stats()["prefix_cache_retained_blocks"] == 4 and engine.runner.fast_layers == frozenset()
     engine.add_request("r", [(3 * i + 2) % 200 for i in range(2 * pair + 3)], SamplingParams(
-        temperature=0.0, max_tokens=16, ignore_eos=True))
+        temperature=0.0, max_tokens=8, ignore_eos=True))
     while engine.step_count <= 8:
         engine.step()
     assert engine.runner.fast_layers == frozenset(range(3))
