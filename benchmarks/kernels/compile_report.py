@@ -33,13 +33,14 @@ ALIGNED_INTS = ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ln", 
 DECODE_OPS = ("add", "sub", "shr", "shl", "and", "or", "xor", "prmt", "cvt", "lop3", "bfe", "selp", "mov")
 
 
-def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, arch: int):
+def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, arch: int,
+                   maxnreg: int | None = None):
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in fn.arg_names}
     aligned = [n for n in fn.arg_names if n not in constexprs and (types[n].startswith("*") or n in ALIGNED_INTS)]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -131,7 +132,8 @@ def skinny_report(arch: int) -> list[dict]:
 
 # The grouped MoE kernel's tiles: the sm90 table's (configs._GROUPED_PREFILL_SM90) and probe_moe_configs.py's.
 GROUPED_TILES = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3),
-                 (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3))
+                 (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3),
+                 (64, 64, 64, 4, 3), (128, 64, 64, 4, 3, 168), (128, 128, 64, 8, 3, 128))  # last: register caps
 SM90_SHARED_PER_SM = 228 * 1024
 
 
@@ -147,19 +149,20 @@ def grouped_report(arch: int) -> list[dict]:
         types.update({"x_ptr": "*fp8e4nv" if mode == "fp8" else "*fp16", "x_scale_ptr": "*fp32", "upper_ptr": plane,
                       "lower_ptr": "*u8" if mode == "full" else plane, "out_ptr": "*fp16", "tile_expert_ptr": "*i32",
                       "tile_row_ptr": "*i32", "offsets_ptr": "*i64", "w_scale": "fp32"})
-        for bm, bn, bk, warps, stages in GROUPED_TILES:
+        for bm, bn, bk, warps, stages, *cap in GROUPED_TILES:
             if mode == "fp8" and bk < 64:
                 continue
             const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": mode_id, "NESTING": 1,
                      "FNUZ": False, "EVEN_K": True, "PTX_DECODE": mode == "full", "BLOCK_M": bm, "BLOCK_N": bn,
                      "BLOCK_K": bk}
-            kernel = compile_kernel(fn, types, const, warps, stages, arch)
-            row = {"kernel": "nested_moe", "mode": mode, "tile": [bm, bn, bk, warps, stages],
+            kernel = compile_kernel(fn, types, const, warps, stages, arch, maxnreg=cap[0] if cap else None)
+            row = {"kernel": "nested_moe", "mode": mode, "tile": [bm, bn, bk, warps, stages, *cap],
                    **facts(kernel, arch, 32 * warps)}
             ctas = min(row["ctas_per_sm_by_registers"], SM90_SHARED_PER_SM // (row["shared_bytes"] + 1024))
             row["warps_per_sm"] = ctas * warps
             rows.append(row)
-            print(f"grouped {mode:5s} {bm:3d}x{bn:3d}x{bk:3d} w{warps} s{stages}: regs {row['registers']:3d} spills "
+            print(f"grouped {mode:5s} {bm:3d}x{bn:3d}x{bk:3d} w{warps} s{stages}"
+                  f"{f' maxnreg {cap[0]}' if cap else ''}: regs {row['registers']:3d} spills "
                   f"{row['spill_store_bytes']:5d} B  smem {row['shared_bytes'] // 1024:3d} KiB  async copies "
                   f"{row['async_copies']}  {row['warps_per_sm']} warps/SM", flush=True)
     return rows

@@ -171,3 +171,20 @@ def test_grouped_tiles_per_arch(rows_per_expert):
     with pytest.raises(ConfigError):
         configs.choose_grouped_config("sm90", "fp4", rows_per_expert, n, k, 132)
 
+
+
+def test_a_register_cap_is_validated_and_needs_an_nvidia_gpu(device):
+    """``GemmConfig.max_registers`` (PTX .maxnreg) is a probe knob: out of range it is a typed error, and off an
+    NVIDIA GPU (the CPU interpreter here) the launch refuses it instead of ignoring it."""
+    from elastiserve.kernels import configs
+    from elastiserve.platforms import ConfigError
+
+    with pytest.raises(ConfigError, match="max_registers"):
+        configs.GemmConfig(64, 64, 64, max_registers=300)
+    capped = configs.GemmConfig(64, 64, 64, max_registers=128)
+    assert nested_moe.register_cap(configs.GemmConfig(64, 64, 64)) == {}
+    if device.type == "cpu":
+        with pytest.raises(ConfigError, match="max_registers needs an NVIDIA GPU"):
+            nested_moe.register_cap(capped)
+    else:
+        assert nested_moe.register_cap(capped) == {"maxnreg": 128}

@@ -36,3 +36,18 @@ def test_prefill_sized_groups_match_reference(device, rows, mode):
         y = nested_moe.nested_moe_gemm(x, upper, lower, offsets, Nesting.E4M3, mode)
         ref = nested_moe.nested_moe_ref(x, upper, lower, offsets, Nesting.E4M3, mode)
     assert _rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("tile", [(64, 64, 64, 4, 3, None), (128, 64, 64, 4, 3, 168), (128, 128, 64, 8, 3, 128)])
+def test_register_capped_tiles_match_reference(device, tile):
+    """The probe's register-capped full-mode tiles (spilling to buy resident warps) still compute the layer."""
+    from elastiserve.kernels import configs
+
+    bm, bn, bk, warps, stages, cap = tile
+    config = configs.GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, ptx_decode=True, max_registers=cap)
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.randint(60, 200, (128,), generator=gen).tolist()
+    x, _, upper, lower, offsets = _problem(device, counts, 1536, 2048)
+    y = nested_moe.nested_moe_gemm(x, upper, lower, offsets, Nesting.E4M3, "full", config=config)
+    ref = nested_moe.nested_moe_ref(x, upper, lower, offsets, Nesting.E4M3, "full")
+    assert _rel_err(y, ref) < 1e-2

@@ -39,8 +39,14 @@ class GemmConfig:
     # Decode the weight tile with packed-word PTX (``weight_decode.decode_weight_tile_ptx``), NVIDIA only: the sm90
     # full-mode rows use it (see _DECODE_PTX), the portable decode stays on every other arch.
     ptx_decode: bool = False
+    # Registers per thread the compiler may use (PTX .maxnreg), NVIDIA only; None: its own choice. Full mode's
+    # grouped tiles take 246-255 registers offline (8 warps per SM); a cap buys resident warps for spills
+    # (BENCHMARKS.md, offline compile report). Only probe candidates set it until the H200 has timed them.
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ConfigError(f"GemmConfig.max_registers={self.max_registers}: expected 24-255 or None")
         for name in ("block_m", "block_n", "block_k", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):

@@ -38,7 +38,8 @@ from elastiserve.kernels.nested_gemm import (
     weight_scale,
 )
 from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
-from elastiserve.platforms import current_platform
+from elastiserve.platforms import ConfigError, Vendor, current_platform
+from elastiserve.platforms.env import triton_interpret
 
 
 @triton.jit
@@ -161,9 +162,19 @@ def _launch_grouped(x: torch.Tensor, x_scale: torch.Tensor, upper: torch.Tensor,
         w_scale,
         MODE=mode_id, NESTING=nesting, FNUZ=fnuz, EVEN_K=k % config.block_k == 0, PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config),
     )
     return out
+
+
+def register_cap(config: configs.GemmConfig) -> dict:
+    """The launch option of ``config.max_registers`` (none when unset, and an error off NVIDIA GPUs)."""
+    if config.max_registers is None:
+        return {}
+    platform = current_platform()
+    if platform.vendor is not Vendor.NVIDIA or triton_interpret():
+        raise ConfigError(f"max_registers needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
+    return {"maxnreg": config.max_registers}
 
 
 def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
