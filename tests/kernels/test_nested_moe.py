@@ -182,9 +182,9 @@ def test_a_register_cap_is_validated_and_needs_an_nvidia_gpu(device):
     with pytest.raises(ConfigError, match="max_registers"):
         configs.GemmConfig(64, 64, 64, max_registers=300)
     capped = configs.GemmConfig(64, 64, 64, max_registers=128)
-    assert nested_moe.register_cap(configs.GemmConfig(64, 64, 64)) == {}
+    assert nested_gemm.register_cap(configs.GemmConfig(64, 64, 64)) == {}
     if device.type == "cpu":
         with pytest.raises(ConfigError, match="max_registers needs an NVIDIA GPU"):
-            nested_moe.register_cap(capped)
+            nested_gemm.register_cap(capped)
     else:
-        assert nested_moe.register_cap(capped) == {"maxnreg": 128}
+        assert nested_gemm.register_cap(capped) == {"maxnreg": 128}

@@ -198,6 +198,16 @@ def check_ptx_decode(config: configs.GemmConfig | configs.SkinnyConfig, platform
         raise ConfigError(f"ptx_decode needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
 
 
+def register_cap(config: configs.GemmConfig) -> dict:
+    """The launch option of ``config.max_registers`` (none when unset, and an error off NVIDIA GPUs)."""
+    if config.max_registers is None:
+        return {}
+    platform = current_platform()
+    if platform.vendor is not Vendor.NVIDIA or triton_interpret():
+        raise ConfigError(f"max_registers needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
+    return {"maxnreg": config.max_registers}
+
+
 def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                 nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
                 config: configs.GemmConfig | None = None) -> torch.Tensor:
@@ -244,7 +254,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
         PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config),
     )
     if split > 1:
         reduce_split_k(target, bias, out)

@@ -34,12 +34,12 @@ from elastiserve.kernels.nested_gemm import (
     quantize_per_token,
     quantize_per_token_ref,
     reference_weight,
+    register_cap,
     upper_for_kernel,
     weight_scale,
 )
 from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
-from elastiserve.platforms import ConfigError, Vendor, current_platform
-from elastiserve.platforms.env import triton_interpret
+from elastiserve.platforms import current_platform
 
 
 @triton.jit
@@ -166,15 +166,6 @@ def _launch_grouped(x: torch.Tensor, x_scale: torch.Tensor, upper: torch.Tensor,
     )
     return out
 
-
-def register_cap(config: configs.GemmConfig) -> dict:
-    """The launch option of ``config.max_registers`` (none when unset, and an error off NVIDIA GPUs)."""
-    if config.max_registers is None:
-        return {}
-    platform = current_platform()
-    if platform.vendor is not Vendor.NVIDIA or triton_interpret():
-        raise ConfigError(f"max_registers needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
-    return {"maxnreg": config.max_registers}
 
 
 def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
