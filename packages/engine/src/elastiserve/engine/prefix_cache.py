@@ -106,13 +106,12 @@ class PrefixCache:
         del self._entries[key]
         return entry.blocks
 
-    def forget(self, key: bytes) -> tuple[int, int]:
+    def forget(self, key: bytes) -> None:
         """Drop the entry of a pair its only user takes back (to demote it); the blocks stay with that user."""
-        entry = self._entries[key]
-        if entry.refs != 1:
-            raise EngineError(f"a cached pair with {entry.refs} users cannot leave the cache")
+        refs = self._entries[key].refs
+        if refs != 1:
+            raise EngineError(f"a cached pair with {refs} users cannot leave the cache")
         del self._entries[key]
-        return entry.blocks
 
     def evict(self, num_blocks: int) -> list[int]:
         """Blocks of retained pairs, least recently released first, at least ``num_blocks`` of them when there are
@@ -156,6 +155,3 @@ class CachingBlockPool:
 
     def drain_stale_layers(self) -> frozenset[int]:
         return self.inner.drain_stale_layers()
-
-    def __getattr__(self, name: str):  # the SUM pool's extras (state, ...) for code that reads them
-        return getattr(self.inner, name)

@@ -167,7 +167,6 @@ def _launch_grouped(x: torch.Tensor, x_scale: torch.Tensor, upper: torch.Tensor,
     return out
 
 
-
 def nested_moe_gemm(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, expert_offsets: torch.Tensor,
                     nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
                     config: configs.GemmConfig | None = None) -> torch.Tensor:
