@@ -32,7 +32,7 @@ from elastiserve.engine.sampler import Sampler
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
 from elastiserve.engine.step_inputs import InputBuffers, StepInputs, StepOutput, gather_step_inputs
-from elastiserve.engine.warmup import WarmUpShape, attention_paths, graph_mode_sets, warm_up_shapes
+from elastiserve.engine.warmup import WarmUpShape, attention_paths, graph_mode_sets, mode_sets, warm_up_shapes
 
 __all__ = ["TRANSFER_CHUNK_PAIRS", "ModelRunner", "StepInputs", "StepOutput"]
 
@@ -285,9 +285,12 @@ class ModelRunner:
         if self.graphs is None:
             return
         before = self.fast_layers
-        for fast_layers in graph_mode_sets(self.config, self.model_config.num_hidden_layers):
+        num_layers = self.model_config.num_hidden_layers
+        whole_model = mode_sets(self.config, num_layers)  # captured first, with warm-up forwards
+        mixes = [s for s in graph_mode_sets(self.config, num_layers) if s not in whole_model]
+        for fast_layers in [*whole_model, *mixes]:
             self.set_fast_layers(fast_layers)
-            self.graphs.capture_common(attention_paths(self.config))
+            self.graphs.capture_common(attention_paths(self.config), warm_up=fast_layers in whole_model)
         self.set_fast_layers(before)
 
     def between_steps(self, restore_layers: tuple[int, ...] | None) -> Any:
