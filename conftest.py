@@ -8,6 +8,7 @@ skipping. Every test must carry at least one device marker. Tests marked ``multi
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -61,3 +62,11 @@ def device(request: pytest.FixtureRequest):
 
     name = request.config.getoption("--device")
     return torch.device("cpu" if name == "cpu" else "cuda")
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_gc():
+    """A CUDA engine freezes the garbage collector at start-up and thaws it in ``close``; a test that drops its
+    engine without closing it leaves the start-up objects frozen, and with them the cycles that hold its tensors."""
+    yield
+    gc.unfreeze()

@@ -169,6 +169,13 @@ def engine_settings(cfg: Setting, args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def policy_settings(settings: dict[str, Any], policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``settings`` plus what only some policies take: ``--queue-fast-after`` for the ones that switch precision."""
+    if args.queue_fast_after is not None and policy in ("dps", "combined"):
+        return {**settings, "queue_fast_after_s": args.queue_fast_after}
+    return settings
+
+
 # ---- runs ------------------------------------------------------------------------------------------------------
 def workload(name: str, cfg: Setting, args: argparse.Namespace):
     from elastiserve.engine.bench.workload import WorkloadSpec
@@ -190,7 +197,7 @@ def run_setting(name: str, args: argparse.Namespace, cfg: Setting, model: str) -
     spec = workload(name, cfg, args)
     outputs, t_base, t_base_info = [], args.t_base, None
     for policy in args.policies:
-        engine = build_engine(model, policy, settings)
+        engine = build_engine(model, policy, policy_settings(settings, policy, args))
         try:
             if t_base is None:  # one T_base for every policy: the first engine's (static-fp16 in the default order)
                 t_base_info = {"policy": policy, **p99_decode_step(engine, cfg.t_base_batch, cfg.t_base_context)}
@@ -201,7 +208,8 @@ def run_setting(name: str, args: argparse.Namespace, cfg: Setting, model: str) -
                              concurrencies=cfg.concurrencies if name == "dense" else (), out_dir=args.out,
                              plots=not args.no_plots, progress=not args.no_progress, t_base=t_base,
                              max_duration_s=args.max_duration, tag=f"{name}-{policy}",
-                             settings={**settings, "load_format": "dummy", "headline": asdict(cfg),
+                             settings={**policy_settings(settings, policy, args), "load_format": "dummy",
+                                       "headline": asdict(cfg),
                                        "t_base_measurement": t_base_info})
             out = run_bench(plan, engine_factory=lambda _policy, engine=engine: engine, model=cfg.model)
         finally:
@@ -301,6 +309,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-step-time", type=float, default=None,
                    help="seconds: cap prefill chunks per precision mode to keep steps under it "
                         "(EngineConfig.max_step_time_s; e.g. 0.11 under the joint SLO's 5 x T_base)")
+    p.add_argument("--queue-fast-after", type=float, default=None,
+                   help="seconds: dps and combined run every layer in FP8 while a request has waited this long for "
+                        "its first token (EngineConfig.queue_fast_after_s)")
     p.add_argument("--t-base", type=float, default=None, help="seconds; default: measured in this run (moe)")
     p.add_argument("--max-duration", type=float, default=None, help="stop each sweep point after this many seconds")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -7,6 +7,7 @@ from elastiserve.control.config import PrecisionConfig
 from elastiserve.control.observation import ALL_LAYERS, StepObservation
 from elastiserve.control.precision import (
     PrecisionPolicy,
+    QueuePressure,
     group_prefixes,
     layers_for_shortage,
     layers_to_run_fast,
@@ -132,3 +133,28 @@ def test_group_prefixes_are_the_mixes_captured_before_serving():
     assert group_prefixes(8, PrecisionConfig()) == [frozenset(), frozenset(range(8))]  # whole model
     with pytest.raises(Exception, match="layer_groups"):
         PrecisionConfig(layer_groups=0)
+
+
+def test_queue_pressure_turns_on_at_the_threshold_and_holds_by_hand():
+    """queue_fast_s = 1.0, hold 2.0: on when the oldest request without a first token has waited 1 s, still on 2 s
+    after the last step that saw it, off after that; off throughout when unset or static-fp8."""
+    trigger = QueuePressure(PrecisionConfig(queue_fast_s=1.0, queue_fast_hold_s=2.0))
+    steps = [(0.0, 0.5), (1.0, 0.99), (2.0, 1.0), (2.5, 0.0), (4.0, 0.0), (4.01, 0.0), (5.0, 1.2), (7.5, 0.3)]
+    assert [trigger.run_all_fast(now, oldest) for now, oldest in steps] == [
+        False, False, True, True, True, False, True, False]  # fmt: skip
+    assert not QueuePressure(PrecisionConfig()).run_all_fast(0.0, 100.0)
+    assert not QueuePressure(PrecisionConfig(static_fast=True, queue_fast_s=1.0)).run_all_fast(0.0, 100.0)
+
+
+def test_queue_pressure_needs_a_configuration_that_switches_precision():
+    from elastiserve.control.config import preset
+    from elastiserve.platforms import ConfigError
+
+    assert preset("dps").with_precision(queue_fast_s=1.0).precision.queue_fast_s == 1.0
+    assert preset("combined").with_precision(queue_fast_s=0.5).precision.granularity == "layer"
+    for name in ("static-fp16", "elastickv"):
+        with pytest.raises(ConfigError, match="queue_fast_s"):
+            preset(name).with_precision(queue_fast_s=1.0)
+    for bad in ({"queue_fast_s": 0.0}, {"queue_fast_hold_s": -1.0}):
+        with pytest.raises(ConfigError):
+            PrecisionConfig(**bad)

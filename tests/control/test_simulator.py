@@ -300,3 +300,19 @@ def test_closed_loop_client_keeps_concurrency():
     assert sorted(r.arrival for r in recs)[3] > 0 and all(r.finished for r in recs)
     with pytest.raises(ConfigError):
         SimConfig(max_concurrency=0)
+
+
+def test_queue_fast_runs_fp8_for_a_prefill_backlog_without_evicting():
+    """A prefill-bound burst (200 prompts of 2,000 tokens at 40 req/s, short outputs) that fits the FP16 KV budget:
+    dps alone never leaves full mode; with ``queue_fast_s`` it runs FP8 while prompts wait, evicts nothing, and
+    the P90 TTFT falls. Mode windows stay few (the hold turns a draining queue into one window, not a flip per step)."""
+    requests = synthetic(200, 2000, 16, rate=40.0, cv=1.0, seed=3)
+    sim = SimConfig(replica=ReplicaConfig(native_blocks=8192, units_per_layer=32, max_num_seqs=64,
+                                          max_num_batched_tokens=2048))
+    plain = simulate(requests, preset("dps"), sim, ANCHOR_STEP_MODEL)
+    queued = simulate(requests, preset("dps").with_precision(queue_fast_s=0.5), sim, ANCHOR_STEP_MODEL)
+    p, q = plain.summary(), queued.summary()
+    assert p.fast_fraction == 0.0 and p.ttft_p90 > 4.0  # 4.69 s when written (session 10)
+    assert q.fast_fraction > 0.5 and q.ttft_p90 < 0.5 * p.ttft_p90  # 1.34 s, 84.6 % of the time fast
+    counts = queued.replicas[0].events.counts()
+    assert "evict_residual" not in counts and counts["mode_fast"] <= 3 and q.transitions <= 3

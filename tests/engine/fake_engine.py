@@ -70,6 +70,10 @@ class FakeEngine:
         self.num_steps = 0
         self.aborted: list[str] = []
         self.background_steps = 0  # steps of restore/promotion work left; each step() does one
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     def add_request(self, request_id, prompt_token_ids, params, arrival_time=None) -> None:
         params.validate(VOCAB, self.max_model_len, len(prompt_token_ids))

@@ -169,7 +169,10 @@ def test_short_bench_run_writes_json_and_plots(tmp_path):
         tag="t",
         settings={"block_size": 4},
     )
-    out = run_bench(plan, engine_factory=lambda policy: FakeEngine(num_blocks=64), model="fake")
+    engines = []
+    out = run_bench(plan, engine_factory=lambda policy: engines.append(FakeEngine(num_blocks=64)) or engines[-1],
+                    model="fake")
+    assert [e.closed for e in engines] == [True, True]  # each policy's engine gives its memory back before the next
     data = json.loads((tmp_path / "t.json").read_text())
     meta = data["metadata"]
     assert meta["commit"] and meta["device"].startswith(("cpu", "nvidia", "amd")) and meta["model"] == "fake"

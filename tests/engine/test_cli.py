@@ -74,6 +74,8 @@ def test_serve_flags_reach_engine_settings():
             "--mixed-graphs",
             "--max-step-time",
             "0.11",
+            "--queue-fast-after",
+            "0.5",
             "--device",
             "cpu",
         ]
@@ -101,6 +103,7 @@ def test_serve_flags_reach_engine_settings():
         "enforce_eager": True,
         "graph_capture_after": 3,
         "max_step_time_s": 0.11,
+        "queue_fast_after_s": 0.5,
         "mixed_graphs": True,
         "enable_prefix_caching": False,
         "seed": 0,

@@ -6,6 +6,7 @@ A tiny random Llama keeps most of it fast; the real SmolLM2-135M checks greedy e
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -79,6 +80,19 @@ def test_static_fp16_greedy_matches_transformers(tiny_llama, device, enforce_eag
         assert result.finish_reason == "length"
     assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks
     assert engine.stats()["base_exposure"] == 0.0
+
+
+@pytest.mark.cuda
+def test_start_up_objects_are_frozen_until_close(tiny_llama, device):
+    """On a GPU the engine moves what start-up built out of the collector's generations (no full collection walks
+    it inside a step) and thaws it in ``close``; the CPU engine, which tests build by the dozen, leaves gc alone."""
+    gc.unfreeze()
+    engine = make_engine(tiny_llama, device)
+    assert (gc.get_freeze_count() > 0) == (device.type == "cuda")
+    assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    engine.close()
+    engine.close()  # a second close does nothing
+    assert gc.get_freeze_count() == 0
 
 
 def snapshot_pairs(engine, request_id):
@@ -216,6 +230,46 @@ def test_full_fast_full_switch_restores_weights_bit_exactly(tiny_llama, device):
     assert seq.output_token_ids[:3] == expected  # tokens before the switch came from exact fp16 weights
     counts = engine.events.counts()
     assert counts["mode_fast"] == 1 and counts["mode_full"] >= 1 and counts["restore_done"] >= 1
+
+
+@pytest.mark.cuda
+def test_queue_fast_runs_fp8_while_prompts_wait_and_returns_without_restore(tiny_llama, device):
+    """dps with ``queue_fast_after_s``: every layer runs FP8 while some request has no first token, with nothing
+    evicted, and full precision comes back at the next step once all have one (hold 0 here), with no restore."""
+    from elastiserve.control.arbiter import Arbiter
+    from elastiserve.control.config import preset
+
+    control = preset("dps").with_engine_admission().with_precision(queue_fast_s=1e-6, queue_fast_hold_s=0.0)
+    engine = make_engine(tiny_llama, device, scripted=Arbiter(control, a_max=64), policy="dps", queue_fast_after_s=1e-6)
+    lower_before = {name: m.lower.clone() for name, m in nested_linears(engine.model).items()}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    seqs = [engine.scheduler.find(f"r{i}") for i in range(len(PROMPTS))]
+    engine.step()
+    assert engine.runner.fast_layers == frozenset(range(3))
+    assert engine.runner.pool.block_pool.state.fast_layers == frozenset()  # run fast, evict nothing
+    while any(seq.num_output_tokens == 0 for seq in seqs):
+        engine.step()
+    engine.step()  # every request has its first token: full again
+    assert engine.runner.fast_layers == frozenset()
+    while engine.has_unfinished():
+        engine.step()
+    assert [seq.num_output_tokens for seq in seqs] == [10] * len(PROMPTS)
+    assert all(seq.metrics.fast_mode_tokens > 0 and seq.metrics.preemptions == 0 for seq in seqs)
+    for name, m in nested_linears(engine.model).items():
+        assert torch.equal(m.lower, lower_before[name]), name
+    counts = engine.events.counts()
+    assert counts["mode_fast"] == 1 and counts["mode_full"] == 1
+    assert not {"evict_residual", "restore_start", "restore_done"} & set(counts)
+
+
+def test_queue_fast_needs_a_policy_that_switches_precision():
+    from elastiserve.platforms import ConfigError
+
+    for policy in ("static-fp16", "static-fp8", "elastickv"):
+        with pytest.raises(ConfigError, match="queue_fast_after_s"):
+            EngineConfig(model="x", policy=policy, queue_fast_after_s=1.0)
+    assert EngineConfig(model="x", policy="combined", queue_fast_after_s=1.0).queue_fast_after_s == 1.0
 
 
 # ---- SmolLM2-135M-Instruct (the PyPI GGUF, converted once into the cache by the loader) -------------------------

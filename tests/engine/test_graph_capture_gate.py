@@ -20,7 +20,6 @@ class StubRunner:
     def __init__(self):
         self.fast_layers = frozenset()
         self.forwards = []
-        self.warm_ups = []  # per capture: whether it ran an eager forward first
 
     def forward(self, num_tokens, metadata):
         self.forwards.append((num_tokens, metadata.path, self.fast_layers))
@@ -34,7 +33,6 @@ def graph_runner(capture_after: int) -> tuple[GraphRunner, StubRunner, list]:
 
     def capture(shape, path, warm_up=True):
         captures.append((shape.batch, runner.fast_layers, path))
-        runner.warm_ups.append(warm_up)
         return SimpleNamespace(replay=lambda: ("replay", shape.batch, path))
 
     graphs._capture = capture
@@ -140,22 +138,3 @@ def test_warm_up_captures_every_mixed_bucket_on_the_native_path_largest_first():
     shape = graphs.step_shape(300, 20, is_decode=False)
     assert graphs.run(shape, SimpleNamespace(path=0)) == ("replay", 32, 0) and runner.forwards == []
 
-
-def test_group_prefixes_are_captured_after_the_whole_model_modes_without_warm_up():
-    """combined on 8 layers in 4 groups: all-full and all-fast first (each capture after an eager warm-up forward,
-    which compiles what the capture must not), then the three prefixes between them, which reuse those kernels."""
-    from elastiserve.engine.runner import ModelRunner
-
-    graphs, stub, captures = graph_runner(capture_after=8)
-    stub.buffers = RecordingBuffers()
-    stub.graphs = graphs
-    stub.config = EngineConfig(model="x", policy="combined", device="cpu")
-    stub.model_config = SimpleNamespace(num_hidden_layers=8)
-    stub.set_fast_layers = lambda fast: setattr(stub, "fast_layers", fast)
-    ModelRunner.capture_graphs(stub)
-    per_set = len(graphs.sizes) * 3  # decode sizes on the three attention paths combined reads
-    order = list(dict.fromkeys(fast for _, fast, _ in captures))
-    assert [sorted(s) for s in order] == [[], list(range(8)), [0, 1], [0, 1, 2, 3], list(range(6))]
-    assert len(captures) == 5 * per_set
-    assert stub.warm_ups == [True] * (2 * per_set) + [False] * (3 * per_set)
-    assert stub.fast_layers == frozenset()

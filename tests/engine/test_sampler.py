@@ -10,7 +10,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from elastiserve.engine.sampler import Sampler, apply_penalties, apply_top_k, apply_top_p, sampling_probs
+from elastiserve.engine.sampler import (
+    PenaltyHistory,
+    Sampler,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    penalize,
+    sampling_probs,
+)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
@@ -122,7 +130,8 @@ def test_penalties_match_hand_computed_logits(device):
     out = apply_penalties(logits, params, [([1], [3, 3, 2]), None])
     expected = torch.tensor([[2.0, -2.0, -0.5, 0.25], [2.0, -1.0, 0.5, 3.0]], device=device)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
-    assert Sampler()(logits, params, histories=[([1], [3, 3, 2]), None]).tolist() == [0, 3]  # greedy too
+    history = PenaltyHistory("r", [1, 3, 3, 2], 1, [3, 3, 2])
+    assert Sampler()(logits, params, histories=[history, None]).tolist() == [0, 3]  # greedy too
     assert logits[0, 3] == 3.0  # the input is not modified
 
 
@@ -131,3 +140,34 @@ def test_penalties_only_on_generated_tokens_for_openai_fields(device):
     params = [PenaltyParams(frequency_penalty=1.0, presence_penalty=1.0)]
     out = apply_penalties(logits, params, [([0, 1, 1], [4])])  # prompt tokens are not penalised by these two
     assert out.tolist() == [[0.0, 0.0, 0.0, 0.0, -2.0]]
+
+
+def test_persistent_penalty_counts_equal_the_reference_step_by_step(device):
+    """The sampler keeps each request's counts between steps and adds only the new tokens; over steps where rows
+    join, grow, leave (their slot reused by a newcomer) and outnumber the first allocation (8 slots), the
+    penalised logits equal the stateless reference's, bit for bit."""
+    vocab = 11
+    gen = torch.Generator().manual_seed(0)
+    sampler = Sampler()
+    outputs: dict[str, list[int]] = {}
+    prompts = {f"r{i}": [int(t) for t in torch.randint(0, vocab, (3 + i,), generator=gen)] for i in range(14)}
+    params = {rid: PenaltyParams(temperature=0.0, presence_penalty=0.3, frequency_penalty=0.2,
+                                 repetition_penalty=1.0 if i % 3 else 1.7) for i, rid in enumerate(prompts)}
+    schedule = [["r0", "r1"], ["r0", "r1", "r2"], *[[f"r{i}" for i in range(1, 12)]] * 3, ["r12", "r13", "r5"]]
+    for step, ids in enumerate(schedule):
+        if step == len(schedule) - 1:
+            for rid in ("r0", "r1", "r2"):  # finished: their slots go to r12 and r13
+                sampler.release(rid)
+        for rid in ids:
+            outputs.setdefault(rid, [])
+        logits = torch.randn(len(ids), vocab, generator=gen).to(device)
+        rows = [params[rid] for rid in ids]
+        histories = [PenaltyHistory(rid, prompts[rid] + outputs[rid], len(prompts[rid]), outputs[rid]) for rid in ids]
+        with_prompt = any(p.repetition_penalty != 1.0 for p in rows)
+        generated, in_prompt = sampler.penalty_counts.gather(histories, with_prompt, vocab, logits.device)
+        ours = penalize(logits, rows, list(range(len(ids))), generated, in_prompt)
+        reference = apply_penalties(logits, rows, [(prompts[rid], outputs[rid]) for rid in ids])
+        assert torch.equal(ours, reference), step
+        for rid, token in zip(ids, ours.argmax(dim=-1).tolist()):
+            outputs[rid].append(token)
+    assert sampler.penalty_counts.capacity == 16  # grown once past 8 slots

@@ -18,7 +18,7 @@ from __future__ import annotations
 from elastiserve.control.config import ControlConfig
 from elastiserve.control.kv_fidelity import KVFidelityPolicy
 from elastiserve.control.observation import ALL_LAYERS, Decision, StepObservation
-from elastiserve.control.precision import PrecisionPolicy
+from elastiserve.control.precision import PrecisionPolicy, QueuePressure
 
 
 class Arbiter:
@@ -26,6 +26,7 @@ class Arbiter:
         self.config = config
         self.kv = KVFidelityPolicy(config.kv, a_max)
         self.precision = PrecisionPolicy(config.precision)
+        self.queue = QueuePressure(config.precision)
         self.expected_duration_s = config.arbiter.pressure_duration_s
         self._episode_start: float | None = None
         self._calm_since: float | None = None
@@ -46,6 +47,12 @@ class Arbiter:
         """Recovery phase when nothing is degraded (no BASE pair, no evicted layer): only the reserve decays."""
         self.kv.plan_promotion(0, 0, 0, False)
         self._track_episode_state(now, degraded=False)
+
+    def run_all_fast(self, now: float, oldest_queued_s: float) -> bool:
+        """Once per step, after scheduling: whether the step runs every layer in FP8 for speed (residuals kept;
+        ``PrecisionConfig.queue_fast_s``). ``oldest_queued_s``: the longest any request has waited for its first
+        token."""
+        return self.queue.run_all_fast(now, oldest_queued_s)
 
     def mechanism_order(self, blocks_per_layer: int) -> list[str]:
         """Enabled mechanisms, cheapest per freed block first at the current expected pressure duration."""

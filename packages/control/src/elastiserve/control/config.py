@@ -86,6 +86,11 @@ class PrecisionConfig:
     before serving. With a mix per fast prefix length, combined on the H200 MoE setting (48 layers, 28 evicted,
     mixed-step graphs) met TBT bounds for 12.5 % of requests at 12 req/s against dps's 97.8 %: each new mix ran
     eagerly or captured its graphs inside a step (benchmarks/serving/results/moe-step-budget-run2).
+    ``queue_fast_s`` (off when None): run every layer in FP8, residuals kept resident, while some request has waited
+    this long for its first token, and for ``queue_fast_hold_s`` after the last step that saw it. This is precision
+    as compute: nothing is evicted, so going back to full costs no restore. On the H200 MoE headline (session 10,
+    dps at 14 req/s) every request that missed the 2 s TTFT bound arrived while dps still ran full mode with KV
+    below kappa_high and 18-27 prompts queued; after the KV-driven switch, none missed it.
     """
 
     kappa_low: float = 0.6
@@ -96,6 +101,8 @@ class PrecisionConfig:
     static_fast: bool = False
     min_evict_layers: int = 1
     layer_groups: int = 4
+    queue_fast_s: float | None = None
+    queue_fast_hold_s: float = 2.0
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.kappa_low < self.kappa_high, "need 0 <= kappa_low < kappa_high (hysteresis band)")
@@ -104,6 +111,8 @@ class PrecisionConfig:
         _require(self.restore_dwell_s >= 0, "restore_dwell_s must be >= 0")
         _require(self.min_evict_layers >= 1, "min_evict_layers must be >= 1")
         _require(self.layer_groups >= 1, "layer_groups must be >= 1")
+        _require(self.queue_fast_s is None or self.queue_fast_s > 0, "queue_fast_s must be > 0 (or None: off)")
+        _require(self.queue_fast_hold_s >= 0, "queue_fast_hold_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +172,8 @@ class ControlConfig:
         _require(isinstance(self.kv, KVFidelityConfig), "kv must be a KVFidelityConfig")
         _require(isinstance(self.precision, PrecisionConfig), "precision must be a PrecisionConfig")
         _require(isinstance(self.arbiter, ArbiterConfig), "arbiter must be an ArbiterConfig")
+        _require(self.precision.queue_fast_s is None or "evict" in self.arbiter.mechanisms,
+                 "precision.queue_fast_s needs nested weights: a configuration that evicts residuals (dps, combined)")
 
     @property
     def uses_demotion(self) -> bool:
@@ -184,6 +195,10 @@ class ControlConfig:
         the configuration demotes (packages/control/README.md, "Demand and admissions")."""
         admission = "base-floor" if self.uses_demotion else "free"
         return replace(self, kv=replace(self.kv, demand_includes_admissions=True, admission=admission))
+
+    def with_precision(self, **changes: object) -> ControlConfig:
+        """A copy with some precision fields changed (same name: e.g. the engine's ``queue_fast_after_s``)."""
+        return replace(self, precision=replace(self.precision, **changes))
 
     def with_kv(self, **changes: object) -> ControlConfig:
         """A copy with some KV-fidelity fields changed (used for the ElasticKV ablations)."""

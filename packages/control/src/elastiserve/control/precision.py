@@ -6,6 +6,8 @@ per-layer granularity evicts only the k = ceil(shortage_units / units_per_layer)
 ``min_evict_layers``, rounded up to whole ``layer_groups``), lowest resident first. Restore goes one layer at a time,
 the last evicted first, only when occupancy < kappa_low, no shortage is pending, that layer's units are all FREE,
 and at least ``restore_min_free_units`` more units stay free afterwards.
+
+``QueuePressure`` is the one stateful piece: the compute side of precision (``PrecisionConfig.queue_fast_s``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,27 @@ def layers_for_shortage(shortage_blocks: int, blocks_per_unit: int, units_per_la
         return 0
     shortage_units = math.ceil(shortage_blocks / blocks_per_unit)
     return math.ceil(shortage_units / units_per_layer)
+
+
+class QueuePressure:
+    """Whether the next step runs every layer fast for speed rather than memory: on once the oldest request without
+    a first token has waited ``queue_fast_s``, off ``queue_fast_hold_s`` after the last step that saw that (so a
+    queue that drains in fast mode and refills in full mode makes long windows, not a flip per step)."""
+
+    def __init__(self, config: PrecisionConfig) -> None:
+        self.config = config
+        self._high_at: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.queue_fast_s is not None and not self.config.static_fast
+
+    def run_all_fast(self, now: float, oldest_queued_s: float) -> bool:
+        if not self.enabled:
+            return False
+        if oldest_queued_s >= self.config.queue_fast_s:
+            self._high_at = now
+        return self._high_at is not None and now - self._high_at <= self.config.queue_fast_hold_s
 
 
 class PrecisionPolicy:

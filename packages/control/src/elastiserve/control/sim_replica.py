@@ -76,6 +76,7 @@ class Replica:
         self.promotions: list[tuple[float, SimSequence, int]] = []
         self._was_fast = False
         self._running_fast: frozenset[int] = frozenset()
+        self._queue_fast = False  # this step runs every layer fast for a queue, not for memory
         self.h2d_stall_s = 0.0
         self._preempted_now: set[int] = set()
         self.step_budget = None if rc.max_step_time_s is None else StepBudget(
@@ -100,6 +101,14 @@ class Replica:
         return len(self.running) + len(self.waiting)
 
     # ---- observation ------------------------------------------------------------------------------------------
+    def _oldest_queued_s(self) -> float:
+        """The longest any request has waited for its first token (0 when none waits): the queue-pressure signal,
+        computed only when the configuration uses it."""
+        if not self.arbiter.queue.enabled:
+            return 0.0
+        waiting = (s.record.arrival for s in (*self.waiting, *self.running) if s.generated == 0)
+        return max(0.0, self.now - min(waiting, default=self.now))
+
     def _plan(self) -> tuple[int, int, list[tuple[SimSequence, int]]]:
         """Dry run of the scheduler without memory limits: (required blocks, total demand, prefill chunks)."""
         bs = self.rc.block_size
@@ -304,6 +313,7 @@ class Replica:
             obs = self.observe(probed, required, self._needs_pair_detail(probed))
             demoted = self._apply_pressure(self.arbiter.decide_pressure(obs))
         decodes, prefills = self._schedule(chunks)
+        self._queue_fast = self.arbiter.run_all_fast(self.now, self._oldest_queued_s())
         self._note_mode()
         if not decodes and not prefills:
             self._upload_barrier = self.h2d_free_at
@@ -338,6 +348,8 @@ class Replica:
         # The layers that run fast, as the engine picks them (whole model together under DPS, groups per layer).
         self._running_fast = layers_to_run_fast(self.pool.evicted_layers(), self._running_fast, self.pool.num_layers,
                                                 self.control.precision)
+        if self._queue_fast:  # precision as compute: every layer fast, residuals kept
+            self._running_fast = frozenset(range(self.pool.num_layers))
         fast_layers = len(self._running_fast)
         fast = fast_layers / max(1, self.pool.num_layers)
         # The step's input upload queues behind the H2D bytes issued before it (earlier rounds' copies).

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-step-time", type=float, default=None,
                    help="seconds: cap prefill chunks per precision mode to keep steps under it (step_budget.py)")
+    p.add_argument("--queue-fast-after", type=float, default=None,
+                   help="seconds: also run each preset that evicts with PrecisionConfig.queue_fast_s (name+queue)")
     p.add_argument("--step-model", type=Path, default=None, help="step-time JSON (default: packaged placeholder)")
     p.add_argument("--trace-dir", type=Path, default=None)
     return p
@@ -107,6 +109,9 @@ def main(argv: list[str] | None = None) -> str:
     configs = [with_f_post(c, args.f_post) for c in configs]
     if args.engine_admission:
         configs = [c.with_engine_admission() for c in configs]
+    if args.queue_fast_after is not None:
+        configs += [replace(c.with_precision(queue_fast_s=args.queue_fast_after), name=f"{c.name}+queue")
+                    for c in configs if "evict" in c.arbiter.mechanisms]
     sim = SimConfig(
         replica=ReplicaConfig(native_blocks=args.native_blocks, units_per_layer=args.units_per_layer,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
     p.add_argument("--max-step-time", dest="max_step_time_s", type=float, default=None,
                    help="seconds: cut prefill chunks so that a step takes at most this long in the current precision "
                         "mode, learned from recent steps (e.g. under a TBT SLO)")
+    p.add_argument("--queue-fast-after", dest="queue_fast_after_s", type=float, default=None,
+                   help="seconds (dps, combined): run every layer in FP8 while a request has waited this long for "
+                        "its first token, residuals kept (back to full with no restore)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of prompt prefixes (whole pairs of blocks) that earlier requests computed")
     p.add_argument("--seed", type=int, default=0)
@@ -70,7 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
 ENGINE_FIELDS = ("device", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
                  "host_backing_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "tensor_parallel_size", "load_format", "enforce_eager", "graph_capture_after", "mixed_graphs",
-                 "max_step_time_s", "enable_prefix_caching", "seed", "cpu_kv_blocks")
+                 "max_step_time_s", "queue_fast_after_s", "enable_prefix_caching", "seed", "cpu_kv_blocks")
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

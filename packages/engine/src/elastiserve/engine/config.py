@@ -37,6 +37,9 @@ class EngineConfig:
     # Cap the tokens of steps that carry prefill chunks so that they take at most this long, per precision mode,
     # from the engine's recent steps (step_budget.py); None: every step may take max_num_batched_tokens.
     max_step_time_s: float | None = None
+    # dps / combined: run every layer in FP8 (residuals kept resident, so going back costs nothing) while a request
+    # has waited this long for its first token (control PrecisionConfig.queue_fast_s); None: memory alone decides.
+    queue_fast_after_s: float | None = None
     # Reuse the KV of complete pairs whose tokens (and every token before them) match an earlier request's
     # (prefix_cache.py). While weight residuals are evicted, unused pairs are not retained (restore needs the units).
     enable_prefix_caching: bool = False
@@ -58,7 +61,7 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a value in (0, 1]")
         for name in ("gpu_memory_budget", "kv_cache_budget", "host_backing_bytes", "max_model_len", "tp_timeout_s",
-                     "max_step_time_s"):
+                     "max_step_time_s", "queue_fast_after_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value}: expected a positive number or None")
@@ -68,6 +71,9 @@ class EngineConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected at least 1")
         if self.sink_pairs < 0 or self.recent_pairs < 0:
             raise ConfigError("sink_pairs and recent_pairs must be >= 0")
+        if self.queue_fast_after_s is not None and self.policy not in ("dps", "combined"):
+            raise ConfigError(f"queue_fast_after_s needs a policy that can switch precision (dps, combined), "
+                              f"not {self.policy!r}")
         if self.max_model_len is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be positive")
 

@@ -7,6 +7,7 @@ capacity left. Mode switches happen between steps; a request that spans one is n
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Sequence as Seq
@@ -14,7 +15,6 @@ from typing import Any
 
 import torch
 
-from elastiserve.control.precision import layers_to_run_fast
 from elastiserve.control.step_budget import StepBudget, StepBudgetConfig
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
@@ -27,6 +27,7 @@ from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
 from elastiserve.engine.tokenizer import StopStringMatcher
+from elastiserve.engine.transitions import Transitions
 from elastiserve.platforms import ConfigError
 
 __all__ = ["CompletionResult", "LLMEngine", "RequestOutput"]
@@ -95,16 +96,26 @@ class LLMEngine:
         control = getattr(self.policy, "config", None)  # does demotion also make room for queued prompts?
         self._count_admissions = getattr(control, "demand_counts_admissions", True)
         self.scheduler.admission = self.kv.admission_bound(control, self.max_model_len)
-        self._precision = getattr(control, "precision", None)  # None: scripted test policies run the stale layers
         self.events = EventLog()
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, hf_config))
         self.step_count = 0
         self.last_step: dict[str, Any] = {"step_tokens": 0, "step_seqs": 0, "step_s": 0.0}
-        self._restore_layers: tuple[int, ...] | None = None
         self._seq_ids = itertools.count()
         self._seq_index: dict[str, int] = {}
+        precision = getattr(control, "precision", None)  # None: scripted test policies run the stale layers
+        self.transitions = Transitions(config, self.kv, self.scheduler, self.runner, self.events, self.policy,
+                                       precision, self._seq_index, self.model.config.num_hidden_layers)
         self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings
+        self._closed = False
         self.runner.warm_up()
+        self._gc_frozen = self.runner.device.type == "cuda"
+        if self._gc_frozen:
+            # What start-up built (model, kernels, graphs) lives as long as the engine: out of the collector's
+            # generations, a full collection no longer walks it inside somebody's step. combined's MoE run on the
+            # H200 (session 10, 12 req/s) had one 226 ms pause between two steps, outside both, that broke the TBT
+            # bound of 189 requests; a collection is a likely cause, not a proven one.
+            gc.collect()
+            gc.freeze()
 
     @property
     def max_model_len(self) -> int:
@@ -161,16 +172,18 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
-        self._publish_promotions()
+        step, transitions = self.step_count, self.transitions
+        transitions.publish_promotions(step)
         if self.step_budget is not None:  # before the probe, so that its dry run plans the same step
             self.scheduler.step_tokens = self.step_budget.tokens(len(self.runner.fast_layers))
-        self._apply(self.policy.decide_pressure(self._observe(self._probe())))
+        transitions.apply(self.policy.decide_pressure(self._observe(self._probe())), step)
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
-            self.events.add(time.monotonic(), self.step_count, "preempt", 1, f"no block for {seq.request_id}")
-        self._apply(self.policy.decide_recovery(self._observe(None)))
-        self._restore_between_steps()
-        self._sync_mode()
+            self.events.add(time.monotonic(), step, "preempt", 1, f"no block for {seq.request_id}")
+        transitions.apply(self.policy.decide_recovery(self._observe(None)), step)
+        transitions.restore_between_steps(step)
+        transitions.update_queue_fast()
+        transitions.sync_mode(step)
         if batch.is_empty:
             return []
         start = time.perf_counter()
@@ -253,109 +266,10 @@ class LLMEngine:
     def _observe(self, demand: StepDemand | None):
         return observe_step(self.step_count, self.kv, self.scheduler, self.runner, demand, self._count_admissions)
 
-    def _apply(self, decision) -> None:
-        now, step = time.monotonic(), self.step_count
-        reason = "; ".join(decision.reasons)
-        if decision.demote_pairs:
-            self.demote(decision.demote_pairs, reason)
-        if decision.evict_residual_layers:
-            self._evict(decision.evict_residual_layers, reason)
-        if decision.preempt:
-            self._preempt_blocks(decision.preempt, reason)
-        if decision.promote_pairs:
-            self.promote(decision.promote_pairs, reason)
-        if decision.start_restore:
-            self._restore_layers = tuple(decision.restore_layers)
-            self.events.add(now, step, "restore_start", len(decision.restore_layers), reason)
-
     def demote(self, num_pairs: int, reason: str = "") -> int:
-        """Demote up to ``num_pairs`` eligible pairs (ranked like the simulator ranks them); returns the count.
-
-        Each sequence's pairs come lazily, already in ranking order, and are merged: building and sorting every
-        eligible pair instead (~9,000 at concurrency 64 on the 20 GB pool) took ~20 ms of Python per demotion on
-        the CPU, and on the H200 a step that demoted took 6 ms more than one that did not."""
-        from elastiserve.control.observation import rank_demotable_streams
-
-        running = self.scheduler.running
-        by_id = {self._seq_index[s.request_id]: s for s in running}
-        streams = [self.kv.demotion_stream(s, self._seq_index[s.request_id]) for s in running]
-        chosen = rank_demotable_streams(streams, min(num_pairs, self.kv.num_free_slots))
-        ops = [self.kv.demote(by_id[info.seq_id], info.pair_index) for info in chosen]
-        if ops:
-            self.runner.demote(ops)
-            self.kv.release_demoted(ops)
-            self.events.add(time.monotonic(), self.step_count, "demote", len(ops), reason)
-        return len(ops)
-
-    def promote(self, num_pairs: int, reason: str = "") -> int:
-        """Start promoting up to ``num_pairs`` BASE pairs (blocks reserved now, published when the copy is done)."""
-        ops = []
-        for seq, pair in itertools.islice(self.kv.promotion_candidates(self.scheduler.running), num_pairs):
-            op = self.kv.begin_promote(seq, pair)
-            if op is None:
-                break
-            ops.append(op)
-        if ops:
-            self.runner.start_promote(ops)
-            self.events.add(time.monotonic(), self.step_count, "promote_start", len(ops), reason)
-        return len(ops)
-
-    def _publish_promotions(self) -> None:
-        done = 0
-        for op in self.runner.poll_promotions():
-            seq = self.scheduler.find(op.request_id)
-            if seq is not None and op in self.kv.promotions_in_flight():
-                self.kv.finish_promote(seq, op)
-                done += 1
-        if done:
-            self.events.add(time.monotonic(), self.step_count, "promote_done", done)
-
-    def _restore_between_steps(self) -> None:
-        """Commit residual restores that finished (layers go back to full in ``_sync_mode``), start requested ones."""
-        report = self.runner.between_steps(self._restore_layers)
-        if not report.deferred:  # a deferred step started nothing: the requested restore waits for the next one
-            self._restore_layers = None
-        if report.committed:
-            layers = {task.chunk.layer for task in report.committed}
-            self.events.add(time.monotonic(), self.step_count, "restore_done", len(layers))
-
-    def _evict(self, layers, reason: str) -> None:
-        state = self.runner.pool.block_pool.state
-        chosen = sorted(state.residual_layers()) if layers == "all" else list(layers)
-        chosen = [layer for layer in chosen if layer not in state.fast_layers]
-        if chosen:
-            self.runner.evict_layers(chosen)
-            self.events.add(time.monotonic(), self.step_count, "evict_residual", len(chosen), reason)
-
-    def _preempt_blocks(self, num_blocks: int, reason: str) -> None:
-        """Preempt latest-arrived running requests until ``num_blocks`` more blocks are free."""
-        target = self.kv.num_free_blocks() + num_blocks
-        while self.scheduler.running and self.kv.num_free_blocks() < target:
-            victim = max(self.scheduler.running, key=lambda s: s.arrival_time)
-            self.scheduler.preempt(victim)
-            self.events.add(time.monotonic(), self.step_count, "preempt", 1, reason)
-
-    def _sync_mode(self) -> None:
-        """Layers whose residual went stale (allocation took a BACKED unit, or eviction) run fast from this step."""
-        self.kv.pool.drain_stale_layers()
-        num_layers = self.model.config.num_hidden_layers
-        stale = self.runner.pool.block_pool.state.fast_layers
-        # Retained prefix-cache blocks would hold the FREE units a residual restore needs (static-fp8 never restores)
-        self.kv.set_cache_retention(not stale or self.config.policy == "static-fp8")
-        if self._precision is not None:
-            stale = layers_to_run_fast(stale, self.runner.fast_layers, num_layers, self._precision)
-        wanted = stale | self.runner.forced_fast_layers
-        if self.config.policy == "static-fp8":
-            wanted = frozenset(range(num_layers))
-        if wanted == self.runner.fast_layers:
-            return
-        entered, left = wanted - self.runner.fast_layers, self.runner.fast_layers - wanted
-        self.runner.set_fast_layers(wanted)
-        now = time.monotonic()
-        if entered:
-            self.events.add(now, self.step_count, "mode_fast", len(entered))
-        if left:
-            self.events.add(now, self.step_count, "mode_full", len(left))
+        """Demote up to ``num_pairs`` eligible pairs now (benchmarks of the host work; the control plane's own
+        demotions go through ``step``)."""
+        return self.transitions.demote(num_pairs, self.step_count, reason)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op on one device)."""
@@ -371,12 +285,19 @@ class LLMEngine:
             tp.stop(group)
 
     def close(self) -> None:
-        """Give back the VMM ranges and units (garbage collection does not) so another engine can take the memory."""
+        """Give back the VMM ranges and units (garbage collection does not) so another engine can take the memory.
+        A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.shutdown()
         self.runner.graphs = None
         manager = self.runner.pool.manager
         if manager is not None:
             manager.close()
+        if self._gc_frozen:  # the frozen objects may hold cycles through this engine: let them be collected
+            gc.unfreeze()
+            self._gc_frozen = False
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -430,7 +351,10 @@ def _make_policy(config: EngineConfig):
     # D_t counts the prompts the next step would admit, as the paper's dry run of the native scheduler does (H200,
     # quarter-scale dense, concurrency 48: 0 preemptions, P90 TTFT 1.03 s; static-fp16 755, 9.88 s), bounded by the
     # base-floor admission: packages/control/README.md, "Demand and admissions".
-    return Arbiter(preset(config.policy).with_engine_admission(), a_max)
+    control = preset(config.policy).with_engine_admission()
+    if config.queue_fast_after_s is not None:
+        control = control.with_precision(queue_fast_s=config.queue_fast_after_s)
+    return Arbiter(control, a_max)
 
 
 def _eos_ids(tokenizer: Any, hf_config: dict) -> set[int]:

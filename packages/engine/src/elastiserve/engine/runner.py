@@ -168,6 +168,7 @@ class ModelRunner:
 
     def release_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.sampler.release(request_id)
 
     # ---- pair transitions ------------------------------------------------------------------------------------
     def demote(self, ops: list[DemoteOp]) -> None:

@@ -14,32 +14,138 @@ else is in the batch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 _GREEDY_EPS = 1e-5
 
 
+@dataclass(frozen=True, slots=True)
+class PenaltyHistory:
+    """A penalised row's tokens, by reference (nothing is copied per step): ``token_ids[:num_prompt]`` is the prompt,
+    ``output_ids`` what the request has generated so far (it only grows)."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt: int
+    output_ids: Sequence[int]
+
+
+class PenaltyCounts:
+    """Generated-token counts per request, and prompt presence for repetition penalties, kept on the device between
+    steps in one slot per request and updated with the tokens generated since the last step (one scatter for the
+    whole batch). Rebuilding them from the whole histories every step costs host work in the prompt and output
+    lengths of every penalised row: on the CPU, 64 rows of 4,000-token prompts and 501 outputs at a vocabulary of
+    32,000 took 39.9 ms a step to rebuild against 6.0 ms here (the penalty arithmetic after it is the same).
+    ``release`` frees a request's slot (finish, abort)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, int] = {}
+        self._counted: dict[str, int] = {}  # generated tokens already in the counts
+        self._prompt_done: set[str] = set()
+        self._free: list[int] = []
+        self._counts: torch.Tensor | None = None  # [capacity, vocab] fp32
+        self._prompt: torch.Tensor | None = None  # [capacity, vocab] bool, built on first need
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated so far (grown by doubling from 8; a slot is a row of vocab counts)."""
+        return 0 if self._counts is None else self._counts.shape[0]
+
+    def release(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._counted.pop(request_id, None)
+            self._prompt_done.discard(request_id)
+
+    def gather(self, histories: Sequence[PenaltyHistory], with_prompt: bool, vocab: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[R, vocab] generated counts and (``with_prompt``) [R, vocab] prompt presence, one row per history."""
+        slots = [self._slot(h.request_id, vocab, device) for h in histories]
+        rows, ids = [], []
+        for slot, h in zip(slots, histories):
+            counted = self._counted[h.request_id]
+            if counted > len(h.output_ids):  # outputs never shrink; if they did, count again from zero
+                self._counts[slot].zero_()
+                counted = 0
+            rows += [slot] * (len(h.output_ids) - counted)
+            ids += h.output_ids[counted:]
+            self._counted[h.request_id] = len(h.output_ids)
+        if ids:
+            flat = torch.tensor(rows, dtype=torch.int64) * vocab + torch.tensor(ids, dtype=torch.int64)
+            flat = flat.to(device)
+            self._counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
+        index = torch.tensor(slots, dtype=torch.int64, device=device)
+        if not with_prompt:
+            return self._counts[index], None
+        if self._prompt is None:
+            self._prompt = torch.zeros(self._counts.shape, dtype=torch.bool, device=device)
+        for slot, h in zip(slots, histories):
+            if h.request_id not in self._prompt_done:
+                self._prompt[slot] = False
+                prompt = torch.tensor(list(h.token_ids[: h.num_prompt]), dtype=torch.int64, device=device)
+                self._prompt[slot, prompt] = True
+                self._prompt_done.add(h.request_id)
+        return self._counts[index], self._prompt[index]
+
+    def _slot(self, request_id: str, vocab: int, device: torch.device) -> int:
+        slot = self._slots.get(request_id)
+        if slot is not None:
+            return slot
+        if not self._free:
+            self._grow(vocab, device)
+        slot = self._slots[request_id] = self._free.pop()
+        self._counts[slot].zero_()
+        self._counted[request_id] = 0
+        return slot
+
+    def _grow(self, vocab: int, device: torch.device) -> None:
+        old = self.capacity
+        capacity = max(8, 2 * old)
+        counts = torch.zeros(capacity, vocab, dtype=torch.float32, device=device)
+        if self._counts is not None:
+            counts[:old] = self._counts
+        self._counts = counts
+        if self._prompt is not None:
+            prompt = torch.zeros(capacity, vocab, dtype=torch.bool, device=device)
+            prompt[:old] = self._prompt
+            self._prompt = prompt
+        self._free.extend(range(capacity - 1, old - 1, -1))
+
+
 class Sampler:
+    def __init__(self) -> None:
+        self.penalty_counts = PenaltyCounts()
+
+    def release(self, request_id: str) -> None:
+        self.penalty_counts.release(request_id)
+
     def __call__(
         self,
         logits: torch.Tensor,
         params: Sequence,
         generators: Mapping[int, torch.Generator] | Sequence[torch.Generator | None] | None = None,
-        histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+        histories: Sequence[PenaltyHistory | None] | None = None,
     ) -> torch.Tensor:
         """logits[B, V] fp32, one SamplingParams-like object per row (temperature, top_k, top_p, and the penalties
         when ``histories`` is given).
 
         ``generators``: row index -> torch.Generator on logits' device for seeded rows (a list with None for unseeded
-        rows also works). ``histories``: per row, (prompt ids, generated ids) for the rows to penalise, None for the
-        others. Returns token ids [B] int64 on logits' device.
+        rows also works). ``histories``: per row, a ``PenaltyHistory`` for the rows to penalise, None for the
+        others (their counts persist in ``penalty_counts`` until ``release``). Returns token ids [B] int64 on
+        logits' device.
         """
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
         logits = logits.float()
-        if histories is not None and any(h is not None for h in histories):
-            logits = apply_penalties(logits, params, histories)
+        rows = [i for i, h in enumerate(histories or ()) if h is not None]
+        if rows:
+            with_prompt = any(params[i].repetition_penalty != 1.0 for i in rows)
+            generated, in_prompt = self.penalty_counts.gather([histories[i] for i in rows], with_prompt,
+                                                              logits.shape[-1], logits.device)
+            logits = penalize(logits, params, rows, generated, in_prompt)
         greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if not random_rows:
@@ -59,16 +165,25 @@ class Sampler:
 def apply_penalties(
     logits: torch.Tensor, params: Sequence, histories: Sequence[tuple[Sequence[int], Sequence[int]] | None]
 ) -> torch.Tensor:
-    """A copy of ``logits`` with each penalised row's repetition, frequency and presence penalties applied."""
+    """The pure reference: a copy of ``logits`` with each penalised row's repetition, frequency and presence
+    penalties applied, from (prompt ids, generated ids) per row (None: not penalised)."""
     rows = [i for i, h in enumerate(histories) if h is not None]
     device, vocab = logits.device, logits.shape[-1]
+    generated = _token_counts([histories[i][1] for i in rows], vocab, device)
+    in_prompt = _token_counts([histories[i][0] for i in rows], vocab, device) > 0
+    return penalize(logits, params, rows, generated, in_prompt)
+
+
+def penalize(logits: torch.Tensor, params: Sequence, rows: list[int], generated: torch.Tensor,
+             in_prompt: torch.Tensor | None) -> torch.Tensor:
+    """A copy of ``logits`` with the penalties of ``rows`` applied from their [R, V] generated counts and prompt
+    presence (needed only when some row has a repetition penalty)."""
+    device = logits.device
     out = logits.clone()
     sub = out[rows]
-    generated = _token_counts([histories[i][1] for i in rows], vocab, device)
     seen = generated > 0
     repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32, device=device)
-    if bool((repetition != 1.0).any()):
-        in_prompt = _token_counts([histories[i][0] for i in rows], vocab, device) > 0
+    if any(params[i].repetition_penalty != 1.0 for i in rows):  # on the host: no device sync
         r = repetition.unsqueeze(1)
         sub = torch.where(in_prompt | seen, torch.where(sub > 0, sub / r, sub * r), sub)
     frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=device)

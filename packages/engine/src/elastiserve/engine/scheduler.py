@@ -94,6 +94,11 @@ class Scheduler:
                 return seq
         return None
 
+    def oldest_unanswered_arrival(self) -> float | None:
+        """Arrival time of the longest-waiting request that has no output token yet (None: every request has one)."""
+        return min((seq.arrival_time for seq in (*self.running, *self.waiting) if seq.num_output_tokens == 0),
+                   default=None)
+
     def abort(self, request_id: str) -> Sequence | None:
         """Drop the request wherever it is and free every block and host slot it holds."""
         seq = self.find(request_id)

@@ -15,6 +15,7 @@ from elastiserve.engine.attention_context import AttentionMetadata
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.outputs import TokenLogprob
+from elastiserve.engine.sampler import PenaltyHistory
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
 from elastiserve.kernels.attention_plan import GENERAL, STRUCTURED, STRUCTURED_SPLIT, choose_path_from_bounds
@@ -34,7 +35,7 @@ class StepInputs:
     sample_params: list[SamplingParams] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
     # (prompt ids, output ids) of sampling sequences whose params have penalties; None for the others
-    sample_histories: list[tuple[list[int], list[int]] | None] = field(default_factory=list)
+    sample_histories: list[PenaltyHistory | None] = field(default_factory=list)
     # (sequence, its first row in this step, the prompt tokens those rows predict, alternatives) for sequences that
     # asked for prompt logprobs and have prompt tokens left to score
     prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
@@ -72,8 +73,9 @@ def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
             inputs.sample_indices.append(i)
             inputs.sample_params.append(seq.params)
             inputs.request_ids.append(seq.request_id)
-            inputs.sample_histories.append((seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids)
-                                           if seq.params.has_penalties else None)
+            inputs.sample_histories.append(
+                PenaltyHistory(seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.output_token_ids)
+                if seq.params.has_penalties else None)
     return inputs
 
 

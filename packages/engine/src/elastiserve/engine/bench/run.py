@@ -90,6 +90,8 @@ def run_bench(plan: BenchPlan, *, engine_factory: Callable[[str], Any] | None = 
                                 "stats_before": result.stats_before, "stats_after": result.stats_after,
                                 "settle_s": result.settle_s})
         out["capacity"][policy] = capacity(sweeps[policy])
+        if engine is not None:
+            engine.close()  # the next policy's engine needs its memory (closing twice is a no-op)
         del engine
         gc.collect()
     if plan.plots:
