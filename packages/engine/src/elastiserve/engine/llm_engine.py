@@ -44,7 +44,8 @@ class LLMEngine:
         eos_token_ids: Seq[int] | None = None,
     ) -> None:
         """``model``/``tokenizer`` override the loader (tests); ``policy`` overrides the control preset
-        (any object with ``decide_pressure(obs)`` and ``decide_recovery(obs)`` returning a ``Decision``)."""
+        (any object with ``decide_pressure(obs)`` and ``decide_recovery(obs)`` returning a ``Decision``, and with
+        ``config.queue_fast_after_s`` set, ``run_all_fast(now, oldest_queued_s)``)."""
         self.config = config
         self.device = _resolve_device(config.device)
         self.tp_group = None
