@@ -171,7 +171,9 @@ def engine_settings(cfg: Setting, args: argparse.Namespace) -> dict[str, Any]:
 
 def policy_settings(settings: dict[str, Any], policy: str, args: argparse.Namespace) -> dict[str, Any]:
     """``settings`` plus what only some policies take: ``--queue-fast-after`` for the ones that switch precision."""
-    if args.queue_fast_after is not None and policy in ("dps", "combined"):
+    from elastiserve.engine.config import SWITCHING_POLICIES
+
+    if args.queue_fast_after is not None and policy in SWITCHING_POLICIES:
         return {**settings, "queue_fast_after_s": args.queue_fast_after}
     return settings
 

@@ -18,6 +18,19 @@ install_packages() {
     -e packages/kernels -e packages/control -e packages/engine >/dev/null 2>&1
 }
 
+# The start of a round: our packages installed, and which GPUs and commit it ran on into $OUT/gpus.txt.
+start_round() {
+  install_packages
+  nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
+}
+
+# headline.py's MoE setting since session 9 (400 requests at full Azure lengths, 60 s per point, one T_base,
+# 2,048-token chunks, mixed-step graphs, the step-time budget): add --rate, --policies, --out and the rest.
+moe_budget_args() {
+  echo "--setting moe --requests 400 --max-duration 60 --t-base ${T_BASE:-0.02465} --no-progress" \
+    "--max-num-batched-tokens 2048 --mixed-graphs --max-step-time ${MAX_STEP_TIME:-0.11}"
+}
+
 # `nox -s test-cuda` on GPU 0 within LIMIT seconds, timed, into $OUT/test-cuda.log; for rounds that run a benchmark
 # on GPU 1 beside it.
 test_cuda_on_gpu0() {  # LIMIT

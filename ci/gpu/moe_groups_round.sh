@@ -7,14 +7,12 @@
 # alone, first after the CUDA test of those graphs.
 source ci/gpu/bootstrap.sh
 set +e
-install_packages
-nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
+start_round
 timeout 100 python3 -m pytest -q --device=cuda -p no:cacheprovider tests/engine/test_group_prefix_graphs_cuda.py \
   > $OUT/group-graphs-test.log 2>&1
 tail -2 $OUT/group-graphs-test.log
-timeout $((${LIMIT:-540} - SECONDS)) python3 benchmarks/serving/headline.py --setting moe --requests 400 \
-  --max-duration 60 --t-base ${T_BASE:-0.02465} --no-progress --max-num-batched-tokens 2048 --mixed-graphs \
-  --max-step-time ${MAX_STEP_TIME:-0.11} --rate 12 --rate 16 --out $OUT/moe --policies combined > $OUT/moe.log 2>&1
+timeout $((${LIMIT:-540} - SECONDS)) python3 benchmarks/serving/headline.py $(moe_budget_args) --rate 12 --rate 16 \
+  --out $OUT/moe --policies combined > $OUT/moe.log 2>&1
 tail -3 $OUT/moe.log
 grep -h "warm-up" $OUT/moe.log
 moe_table

@@ -7,10 +7,8 @@
 # one arrived while dps still ran full mode below kappa_high (packages/control/README.md, "Precision as compute").
 source ci/gpu/bootstrap.sh
 set +e
-install_packages
-nvidia-smi -L > $OUT/gpus.txt 2>&1; echo "${ELASTISERVE_SOURCE_COMMIT:-unknown}" >> $OUT/gpus.txt
-common="--setting moe --requests 400 --max-duration 60 --t-base ${T_BASE:-0.02465} --no-progress
-  --max-num-batched-tokens 2048 --mixed-graphs --max-step-time ${MAX_STEP_TIME:-0.11}"
+start_round
+common=$(moe_budget_args)
 rates=""; for r in ${RATES:-14 16}; do rates="$rates --rate $r"; done
 timeout 330 python3 benchmarks/serving/headline.py $common $rates --queue-fast-after ${QUEUE_FAST:-0.5} \
   --out $OUT/moe-queue --policies dps > $OUT/moe-queue.log 2>&1

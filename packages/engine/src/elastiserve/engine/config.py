@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from elastiserve.platforms import ConfigError
 
 POLICIES = ("static-fp16", "static-fp8", "dps", "elastickv", "combined")
+SWITCHING_POLICIES = ("dps", "combined")  # nested weights whose precision changes at run time
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("float16",)
@@ -71,8 +72,8 @@ class EngineConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected at least 1")
         if self.sink_pairs < 0 or self.recent_pairs < 0:
             raise ConfigError("sink_pairs and recent_pairs must be >= 0")
-        if self.queue_fast_after_s is not None and self.policy not in ("dps", "combined"):
-            raise ConfigError(f"queue_fast_after_s needs a policy that can switch precision (dps, combined), "
+        if self.queue_fast_after_s is not None and self.policy not in SWITCHING_POLICIES:
+            raise ConfigError(f"queue_fast_after_s needs a policy that can switch precision {SWITCHING_POLICIES}, "
                               f"not {self.policy!r}")
         if self.max_model_len is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be positive")

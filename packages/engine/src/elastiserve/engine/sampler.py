@@ -32,6 +32,13 @@ class PenaltyHistory:
     output_ids: Sequence[int]
 
 
+@dataclass(slots=True)
+class _PenaltyRow:
+    slot: int
+    counted: int = 0  # generated tokens already in the slot's counts
+    has_prompt: bool = False  # the slot's prompt-presence row is built
+
+
 class PenaltyCounts:
     """Generated-token counts per request, and prompt presence for repetition penalties, kept on the device between
     steps in one slot per request and updated with the tokens generated since the last step (one scatter for the
@@ -41,9 +48,7 @@ class PenaltyCounts:
     ``release`` frees a request's slot (finish, abort)."""
 
     def __init__(self) -> None:
-        self._slots: dict[str, int] = {}
-        self._counted: dict[str, int] = {}  # generated tokens already in the counts
-        self._prompt_done: set[str] = set()
+        self._rows: dict[str, _PenaltyRow] = {}
         self._free: list[int] = []
         self._counts: torch.Tensor | None = None  # [capacity, vocab] fp32
         self._prompt: torch.Tensor | None = None  # [capacity, vocab] bool, built on first need
@@ -54,52 +59,43 @@ class PenaltyCounts:
         return 0 if self._counts is None else self._counts.shape[0]
 
     def release(self, request_id: str) -> None:
-        slot = self._slots.pop(request_id, None)
-        if slot is not None:
-            self._free.append(slot)
-            self._counted.pop(request_id, None)
-            self._prompt_done.discard(request_id)
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free.append(row.slot)
 
     def gather(self, histories: Sequence[PenaltyHistory], with_prompt: bool, vocab: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[R, vocab] generated counts and (``with_prompt``) [R, vocab] prompt presence, one row per history."""
-        slots = [self._slot(h.request_id, vocab, device) for h in histories]
-        rows, ids = [], []
-        for slot, h in zip(slots, histories):
-            counted = self._counted[h.request_id]
-            if counted > len(h.output_ids):  # outputs never shrink; if they did, count again from zero
-                self._counts[slot].zero_()
-                counted = 0
-            rows += [slot] * (len(h.output_ids) - counted)
-            ids += h.output_ids[counted:]
-            self._counted[h.request_id] = len(h.output_ids)
+        rows = [self._row(h.request_id, vocab, device) for h in histories]
+        slots, ids = [], []
+        for row, h in zip(rows, histories):
+            slots += [row.slot] * (len(h.output_ids) - row.counted)
+            ids += h.output_ids[row.counted :]
+            row.counted = len(h.output_ids)
         if ids:
-            flat = torch.tensor(rows, dtype=torch.int64) * vocab + torch.tensor(ids, dtype=torch.int64)
+            flat = torch.tensor(slots, dtype=torch.int64) * vocab + torch.tensor(ids, dtype=torch.int64)
             flat = flat.to(device)
             self._counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
-        index = torch.tensor(slots, dtype=torch.int64, device=device)
+        index = torch.tensor([row.slot for row in rows], dtype=torch.int64, device=device)
         if not with_prompt:
             return self._counts[index], None
         if self._prompt is None:
             self._prompt = torch.zeros(self._counts.shape, dtype=torch.bool, device=device)
-        for slot, h in zip(slots, histories):
-            if h.request_id not in self._prompt_done:
-                self._prompt[slot] = False
-                prompt = torch.tensor(list(h.token_ids[: h.num_prompt]), dtype=torch.int64, device=device)
-                self._prompt[slot, prompt] = True
-                self._prompt_done.add(h.request_id)
+        for row, h in zip(rows, histories):
+            if not row.has_prompt:
+                self._prompt[row.slot] = False
+                self._prompt[row.slot, torch.tensor(list(h.token_ids[: h.num_prompt]), device=device)] = True
+                row.has_prompt = True
         return self._counts[index], self._prompt[index]
 
-    def _slot(self, request_id: str, vocab: int, device: torch.device) -> int:
-        slot = self._slots.get(request_id)
-        if slot is not None:
-            return slot
-        if not self._free:
-            self._grow(vocab, device)
-        slot = self._slots[request_id] = self._free.pop()
-        self._counts[slot].zero_()
-        self._counted[request_id] = 0
-        return slot
+    def _row(self, request_id: str, vocab: int, device: torch.device) -> _PenaltyRow:
+        row = self._rows.get(request_id)
+        if row is None:
+            if not self._free:
+                self._grow(vocab, device)
+            row = self._rows[request_id] = _PenaltyRow(self._free.pop())
+            self._counts[row.slot].zero_()
+        return row
 
     def _grow(self, vocab: int, device: torch.device) -> None:
         old = self.capacity
@@ -182,9 +178,9 @@ def penalize(logits: torch.Tensor, params: Sequence, rows: list[int], generated:
     out = logits.clone()
     sub = out[rows]
     seen = generated > 0
-    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32, device=device)
     if any(params[i].repetition_penalty != 1.0 for i in rows):  # on the host: no device sync
-        r = repetition.unsqueeze(1)
+        r = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32, device=device)
+        r = r.unsqueeze(1)
         sub = torch.where(in_prompt | seen, torch.where(sub > 0, sub / r, sub * r), sub)
     frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=device)
     presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=torch.float32, device=device)

@@ -34,7 +34,7 @@ class StepInputs:
     sample_indices: list[int] = field(default_factory=list)  # sequences whose chunk ends this step
     sample_params: list[SamplingParams] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
-    # (prompt ids, output ids) of sampling sequences whose params have penalties; None for the others
+    # the tokens of sampling sequences whose params have penalties (by reference); None for the others
     sample_histories: list[PenaltyHistory | None] = field(default_factory=list)
     # (sequence, its first row in this step, the prompt tokens those rows predict, alternatives) for sequences that
     # asked for prompt logprobs and have prompt tokens left to score
