@@ -1,7 +1,7 @@
 """The step-time token budget (``elastiserve.control.step_budget``): a least-squares fit per precision mode of
 recent chunk-carrying steps, the cap it implies (with the largest residual as margin, clamped to the budget and a
-floor), no cap before enough spread-out samples, a new mode borrowing the smallest learned budget; and the
-simulator's replicas keeping their steps under the bound with it."""
+floor), no cap before enough samples, steps of one size capped at their slowest rate, a new mode borrowing the
+smallest learned budget; and the simulator's replicas keeping their steps under the bound with it."""
 
 from __future__ import annotations
 
@@ -50,11 +50,27 @@ def test_no_cap_without_enough_samples_spread_or_slope():
     b.record(0, 1000, 0.2)
     b.record(0, 2000, 0.3)
     assert b.tokens(0) == 2048  # two samples
-    for _ in range(3):
+    for _ in range(2):
         b.record(1, 1000, 0.5)
-    assert b.tokens(1) == 2048  # no spread in tokens
+    assert b.tokens(1) == 2048  # too few samples of a new mode, nothing learned elsewhere to borrow
     b.record(2, 500, 0.3), b.record(2, 1000, 0.2), b.record(2, 1500, 0.1)
     assert b.tokens(2) == 2048  # steps that got faster with more tokens: nothing to learn
+
+
+def test_steps_of_one_size_cap_at_the_slowest_rate_and_never_lock_to_a_borrowed_floor():
+    """Session 11's lock on the H200: a cold first step held the full-mode fit at the floor, fast mode borrowed it,
+    every step then carried the floor's tokens, and without spread fast mode never learned its own budget."""
+    b = budget(bound=0.11, min_samples=8, min_tokens=256)
+    b.record(0, 374, 0.2863)
+    for _ in range(7):
+        b.record(0, 256, 0.040)
+    full = b.tokens(0)
+    assert full < 300 and b.tokens(48) == full  # the outlier holds full mode near the floor; fast borrows it
+    for seconds in (0.027, 0.028, 0.0285, 0.026, 0.027, 0.027, 0.025, 0.026):
+        b.record(48, 256, seconds)
+    assert b.tokens(48) == 988  # floor(0.11 / (0.0285 / 256)): no intercept, the slowest step's rate
+    b.record(48, 988, 0.020 + 988 * 0.03 / 1000)  # the larger step gives spread: the fit takes over
+    assert b.fit(48) is not None and b.tokens(48) > 988
 
 
 def test_cap_is_clamped_to_floor_and_budget():

@@ -13,10 +13,11 @@ Per mode (the number of fast layers) this keeps the last ``window`` chunk-carryi
 fits seconds = a + b x tokens by least squares, and caps the next step's tokens at (bound - a - margin) / b, where
 the margin is the largest residual of the fit: the bound is on a maximum, and one step over it breaks the TBT bound
 of every running request. (The simulator's steps are a deterministic function of the step, so there the margin
-hardly matters; a GPU's steps have outliers, and those should shrink the budget.) Below ``min_samples`` steps, or
-with no spread in tokens, or a non-positive slope, it does not cap. The engine's scheduler
+hardly matters; a GPU's steps have outliers, and those should shrink the budget.) With enough steps but all of one
+size it caps at the slowest kept seconds per token (no intercept): conservative, and the spread it creates lets the
+fit take over. Below ``min_samples`` steps, or with a non-positive slope, it does not cap. The engine's scheduler
 (``EngineConfig.max_step_time_s``) and the simulator's replicas (``ReplicaConfig.max_step_time_s``) use this one
-class. Off by default in both; CPU-tested, not yet measured on a GPU.
+class. Off by default in both; the H200 MoE headline runs use it since session 9 (``--max-step-time 0.11``).
 """
 
 from __future__ import annotations
@@ -78,15 +79,33 @@ class StepBudget:
         joint-SLO attainment and dps from 60.1 to 64.8 %)."""
         cfg = self.config
         fit = self.fit(mode)
-        if fit is None:
-            learned = [self._cap(f) for m in self._steps if m != mode and (f := self.fit(m)) is not None]
-            return min(learned, default=cfg.max_tokens)
-        return self._cap(fit)
+        if fit is not None:
+            return self._cap(fit)
+        steps = self._steps.get(mode, ())
+        if len(steps) >= cfg.min_samples and all(x == steps[0][0] for x, _ in steps):
+            return self._cap_without_spread(steps)
+        learned = [self._cap(f) for m in self._steps if m != mode and (f := self.fit(m)) is not None]
+        return min(learned, default=cfg.max_tokens)
+
+    def _cap_without_spread(self, steps) -> int:
+        """Every kept step carried the same tokens, so there is no line to fit, and borrowing would lock the budget:
+        on the H200 (session 11, MoE headline, dps at 14 req/s) a cold 286 ms first step left the full-mode fit at
+        the 256-token floor, fast mode borrowed it, and every later step carried 256 tokens, so fast mode never
+        saw spread and never learned (TTFT P90 18.6 s; 100 % attainment at 16 and 18 req/s once the fit had
+        forgotten that step). Assume no intercept, at the slowest kept step's seconds per token: a conservative
+        cap that grows while steps stay under the bound, and the spread it creates lets the fit take over."""
+        per_token_s = max(seconds / tokens for tokens, seconds in steps)
+        if per_token_s <= 0:
+            return self.config.max_tokens
+        return self._clamp(math.floor(self.config.max_step_time_s / per_token_s))
 
     def _cap(self, fit: StepFit) -> int:
         cfg = self.config
         room = cfg.max_step_time_s - fit.intercept_s - fit.margin_s
-        tokens = math.floor(room / fit.per_token_s) if room > 0 else 0
+        return self._clamp(math.floor(room / fit.per_token_s) if room > 0 else 0)
+
+    def _clamp(self, tokens: int) -> int:
+        cfg = self.config
         return max(min(cfg.min_tokens, cfg.max_tokens), min(cfg.max_tokens, tokens))
 
 
