@@ -146,6 +146,15 @@ def test_queue_pressure_turns_on_at_the_threshold_and_holds_by_hand():
     assert not QueuePressure(PrecisionConfig(static_fast=True, queue_fast_s=1.0)).run_all_fast(0.0, 100.0)
 
 
+def test_queued_prompts_keep_queue_pressure_on_but_never_turn_it_on():
+    """queue_fast_s = 1.0, hold 2.0, with (now, oldest wait, prompts left queued by the step): on at the threshold;
+    queued prompts refresh the hold while it is on (at 1.5 and 3.4 s), off 2 s after the last refresh; queued
+    prompts alone, with no request over the threshold, do not turn it on."""
+    trigger = QueuePressure(PrecisionConfig(queue_fast_s=1.0, queue_fast_hold_s=2.0))
+    steps = [(0.0, 1.0, 0), (1.5, 0.1, 3), (3.4, 0.1, 1), (5.3, 0.0, 0), (5.5, 0.0, 0), (6.0, 0.2, 5), (9.0, 0.9, 9)]
+    assert [trigger.run_all_fast(*step) for step in steps] == [True, True, True, True, False, False, False]
+
+
 def test_queue_pressure_needs_a_configuration_that_switches_precision():
     from elastiserve.control.config import preset
     from elastiserve.platforms import ConfigError

@@ -73,6 +73,20 @@ def test_steps_of_one_size_cap_at_the_slowest_rate_and_never_lock_to_a_borrowed_
     assert b.fit(48) is not None and b.tokens(48) > 988
 
 
+def test_a_switch_to_a_slower_mode_waits_for_a_step_planned_for_it():
+    """A step scheduled at fast mode's budget keeps fast mode when going full would put it over full mode's
+    budget; the next step is planned at the smaller budget. Going into FP8 never waits."""
+    b = budget(bound=0.1, min_samples=2)
+    for tokens in (500, 1000):
+        b.record(0, tokens, 0.020 + 1e-4 * tokens)  # full: (0.1 - 0.02) / 1e-4 = 800 tokens
+        b.record(48, tokens, 0.020 + 4e-5 * tokens)  # fast: 2,000 tokens, the budget's maximum 2,048 above it
+    full, fast = b.tokens(0), b.tokens(48)
+    assert 799 <= full <= 800 and 1999 <= fast <= 2000
+    assert b.defers(48, 0, fast) and b.defers(48, 0, full + 1) and not b.defers(48, 0, full)
+    assert not b.defers(0, 48, 2048) and not b.defers(48, 48, 2048)
+    assert b.plan_tokens(48, None) == fast and b.plan_tokens(48, 0) == full and b.plan_tokens(0, 48) == full
+
+
 def test_cap_is_clamped_to_floor_and_budget():
     slow = budget(min_samples=2, min_tokens=256)
     slow.record(0, 100, 0.5), slow.record(0, 200, 0.6)  # already over the bound: the floor

@@ -85,3 +85,48 @@ def test_capped_engine_gives_the_same_greedy_tokens_in_capped_steps():
     assert max(t for t, _ in steps) > 16  # uncapped, prefill takes whole chunks
     assert all(t <= max(16, n) for t, n in capped_steps)  # capped: at most the cap, or one token per sequence
     assert len(capped_steps) > len(steps)
+
+
+class HeldBudget(StepBudget):
+    """What two modes have learned, held: 8 tokens a step with every layer full, 64 with any layer fast."""
+
+    def tokens(self, mode: int) -> int:
+        return 8 if mode == 0 else 64
+
+    def record(self, mode: int, tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_a_switch_back_to_full_waits_for_a_step_budgeted_for_full():
+    """The queue trigger releases FP8 after a step was scheduled at fast mode's budget: that step still runs fast,
+    and the next is planned at full mode's budget and runs full (session 12 on the H200: such a step ran full in
+    132 ms against a 123 ms TBT bound)."""
+    from elastiserve.control.arbiter import Arbiter
+    from elastiserve.control.config import preset
+
+    model = random_fp16_model(small_llama_config(2, 256))
+    config = EngineConfig(model="tiny", device="cpu", block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_step_time_s=1.0, cpu_kv_blocks=256, policy="dps", queue_fast_after_s=600.0)
+    control = preset("dps").with_engine_admission().with_precision(queue_fast_s=600.0, queue_fast_hold_s=0.0)
+    engine = LLMEngine(config, model=model, policy=Arbiter(control, a_max=64), eos_token_ids=())
+    engine.step_budget = HeldBudget(StepBudgetConfig(1.0, 64))
+    every_layer = frozenset(range(2))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        engine.add_request("old", [3] * 6, params)
+        engine.scheduler.find("old").metrics.arrival_time -= 1000.0  # waited past queue_fast_s
+        engine.step()  # planned at full's 8 tokens, run fast: the trigger is on
+        assert engine.runner.fast_layers == every_layer and engine.last_step["step_tokens"] == 6
+        engine.add_request("new", [5] * 100, params)  # every old request has its first token: the trigger is off
+        engine.step()
+        assert engine.last_step["step_tokens"] == 64  # one decode and 63 prompt tokens, at fast mode's budget
+        assert engine.runner.fast_layers == every_layer and engine.transitions.deferred_fast == 0
+        engine.step()
+        assert engine.last_step["step_tokens"] == 8 and engine.runner.fast_layers == frozenset()
+        while engine.has_unfinished():
+            engine.step()
+            assert engine.last_step["step_tokens"] <= 8 and engine.runner.fast_layers == frozenset()
+        counts = engine.events.counts()
+        assert counts["mode_fast"] == 1 and counts["mode_full"] == 1
+    finally:
+        engine.close()

@@ -29,8 +29,12 @@ def layers_for_shortage(shortage_blocks: int, blocks_per_unit: int, units_per_la
 
 class QueuePressure:
     """Whether the next step runs every layer fast for speed rather than memory: on once the oldest request without
-    a first token has waited ``queue_fast_s``, off ``queue_fast_hold_s`` after the last step that saw that (so a
-    queue that drains in fast mode and refills in full mode makes long windows, not a flip per step)."""
+    a first token has waited ``queue_fast_s``; while on, a step that leaves prompts queued (not admitted at all)
+    keeps it on; off ``queue_fast_hold_s`` after the last step that saw either. The queued prompts are what keeps it
+    on because the wait alone released it mid-burst on the H200 (session 12, MoE headline, dps at 21 req/s): fast
+    mode had drained every old request, the 2 s hold ran out at t = 3.98 s with 11 prompts just queued, the next
+    full-mode step took 132 ms with 74 requests running (TBT bound 123 ms), and 0.43 s later the wait had turned
+    it on again."""
 
     def __init__(self, config: PrecisionConfig) -> None:
         self.config = config
@@ -40,10 +44,13 @@ class QueuePressure:
     def enabled(self) -> bool:
         return self.config.queue_fast_s is not None and not self.config.static_fast
 
-    def run_all_fast(self, now: float, oldest_queued_s: float) -> bool:
+    def run_all_fast(self, now: float, oldest_queued_s: float, queued_prompts: int = 0) -> bool:
+        """``oldest_queued_s``: the longest any request has waited for its first token; ``queued_prompts``: how
+        many requests this step's schedule left waiting without a single token scheduled."""
         if not self.enabled:
             return False
-        if oldest_queued_s >= self.config.queue_fast_s:
+        on = self._high_at is not None and now - self._high_at <= self.config.queue_fast_hold_s
+        if oldest_queued_s >= self.config.queue_fast_s or (on and queued_prompts > 0):
             self._high_at = now
         return self._high_at is not None and now - self._high_at <= self.config.queue_fast_hold_s
 

@@ -77,6 +77,7 @@ class Replica:
         self._was_fast = False
         self._running_fast: frozenset[int] = frozenset()
         self._queue_fast = False  # this step runs every layer fast for a queue, not for memory
+        self._deferred_fast = None  # a switch to fewer fast layers that waits for a step planned for it
         self.h2d_stall_s = 0.0
         self._preempted_now: set[int] = set()
         self.step_budget = None if rc.max_step_time_s is None else StepBudget(
@@ -113,8 +114,8 @@ class Replica:
         """Dry run of the scheduler without memory limits: (required blocks, total demand, prefill chunks)."""
         bs = self.rc.block_size
         budget = self.rc.max_num_batched_tokens
-        if self.step_budget is not None:  # the mode of the last step: the engine's choice too
-            budget = self.step_budget.tokens(len(self._running_fast))
+        if self.step_budget is not None:  # the mode of the last step, or a deferred one: the engine's choice too
+            budget = self.step_budget.plan_tokens(len(self._running_fast), self._deferred_fast)
         required, chunks = 0, []
         for seq in self.running:
             if seq.computed >= seq.prefill_target:  # decoding: a new block exactly when the last one is full
@@ -313,7 +314,7 @@ class Replica:
             obs = self.observe(probed, required, self._needs_pair_detail(probed))
             demoted = self._apply_pressure(self.arbiter.decide_pressure(obs))
         decodes, prefills = self._schedule(chunks)
-        self._queue_fast = self.arbiter.run_all_fast(self.now, self._oldest_queued_s())
+        self._queue_fast = self.arbiter.run_all_fast(self.now, self._oldest_queued_s(), len(self.waiting))
         self._note_mode()
         if not decodes and not prefills:
             self._upload_barrier = self.h2d_free_at
@@ -346,20 +347,27 @@ class Replica:
                 base_ctx += min(s.computed, 2 * bs * base)
                 s.record.base_pair_reads += base
         # The layers that run fast, as the engine picks them (whole model together under DPS, groups per layer).
-        self._running_fast = layers_to_run_fast(self.pool.evicted_layers(), self._running_fast, self.pool.num_layers,
-                                                self.control.precision)
+        wanted = layers_to_run_fast(self.pool.evicted_layers(), self._running_fast, self.pool.num_layers,
+                                    self.control.precision)
         if self._queue_fast:  # precision as compute: every layer fast, residuals kept
-            self._running_fast = frozenset(range(self.pool.num_layers))
+            wanted = frozenset(range(self.pool.num_layers))
+        tokens = len(decodes) + prefill_tokens
+        self._deferred_fast = None
+        if (self.step_budget is not None and prefills and wanted < self._running_fast
+                and self.step_budget.defers(len(self._running_fast), len(wanted), tokens)):
+            self._deferred_fast = len(wanted)  # this step keeps its faster mode; the next is planned for the slower
+        else:
+            self._running_fast = wanted
         fast_layers = len(self._running_fast)
         fast = fast_layers / max(1, self.pool.num_layers)
         # The step's input upload queues behind the H2D bytes issued before it (earlier rounds' copies).
         upload_wait = max(0.0, self._upload_barrier - self.now)
         # A decode-only step replays the CUDA graph of its padded batch; one with a prefill chunk runs eagerly.
         rows = 0 if prefills else padded_batch(len(decodes), self.rc.max_num_seqs)
-        dt = upload_wait + self.sm.step_time(len(decodes) + prefill_tokens, context, base_ctx, fast, demoted, unpacked,
+        dt = upload_wait + self.sm.step_time(tokens, context, base_ctx, fast, demoted, unpacked,
                                              nested=self.control.uses_eviction, padded_rows=rows)
         if self.step_budget is not None and prefills:
-            self.step_budget.record(fast_layers, len(decodes) + prefill_tokens, dt - upload_wait)
+            self.step_budget.record(fast_layers, tokens, dt - upload_wait)
         self.exposure.add(dt, base_read, pairs_read)
         self.modes.add(dt, fast_layers)
         self.h2d_stall_s += upload_wait

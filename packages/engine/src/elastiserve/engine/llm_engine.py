@@ -176,7 +176,8 @@ class LLMEngine:
         step, transitions = self.step_count, self.transitions
         transitions.publish_promotions(step)
         if self.step_budget is not None:  # before the probe, so that its dry run plans the same step
-            self.scheduler.step_tokens = self.step_budget.tokens(len(self.runner.fast_layers))
+            self.scheduler.step_tokens = self.step_budget.plan_tokens(len(self.runner.fast_layers),
+                                                                      transitions.deferred_fast)
         transitions.apply(self.policy.decide_pressure(self._observe(self._probe())), step)
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
@@ -184,7 +185,7 @@ class LLMEngine:
         transitions.apply(self.policy.decide_recovery(self._observe(None)), step)
         transitions.restore_between_steps(step)
         transitions.update_queue_fast()
-        transitions.sync_mode(step)
+        transitions.sync_mode(step, self._budget_defers(batch))
         if batch.is_empty:
             return []
         start = time.perf_counter()
@@ -196,6 +197,14 @@ class LLMEngine:
         for i, entries in (out.prompt_logprobs or {}).items():
             batch.seqs[i].prompt_logprobs += entries
         return self._postprocess(batch, out.token_ids, out.logprobs)
+
+    def _budget_defers(self, batch):
+        """``sync_mode``'s test of a switch to fewer fast layers against this step's tokens (None: nothing to test,
+        no budget or a decode-only step)."""
+        if self.step_budget is None or batch.num_tokens <= len(batch.seqs):
+            return None
+        current = len(self.runner.fast_layers)
+        return lambda wanted: self.step_budget.defers(current, wanted, batch.num_tokens)
 
     def _probe(self) -> StepDemand | None:
         should = getattr(self.policy, "should_probe", None)

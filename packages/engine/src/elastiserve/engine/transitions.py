@@ -25,6 +25,7 @@ class Transitions:
         self.policy, self.precision, self.seq_index, self.num_layers = policy, precision, seq_index, num_layers
         self.restore_layers: tuple[int, ...] | None = None  # a restore the control asked for, not started yet
         self.queue_fast = False  # this step runs every layer fast for the queue, not for memory
+        self.deferred_fast: int | None = None  # a switch to this many fast layers waits for a step budgeted for it
 
     def apply(self, decision: Any, step: int) -> None:
         reason = "; ".join(decision.reasons)
@@ -113,11 +114,13 @@ class Transitions:
             return
         now = time.monotonic()
         oldest = self.scheduler.oldest_unanswered_arrival()
-        self.queue_fast = self.policy.run_all_fast(now, 0.0 if oldest is None else now - oldest)
+        self.queue_fast = self.policy.run_all_fast(now, 0.0 if oldest is None else now - oldest,
+                                                   len(self.scheduler.waiting))
 
-    def sync_mode(self, step: int) -> None:
+    def sync_mode(self, step: int, defers=None) -> None:
         """Layers whose residual went stale (allocation took a BACKED unit, or eviction) run fast from this step, and
-        every layer while the queue asks for it."""
+        every layer while the queue asks for it. ``defers(wanted)``: whether a switch to ``wanted`` fast layers
+        waits a step, because this step's tokens were budgeted for the faster mode (``StepBudget.defers``)."""
         self.kv.pool.drain_stale_layers()
         stale = self.runner.pool.block_pool.state.fast_layers
         # Retained prefix-cache blocks would hold the FREE units a residual restore needs (static-fp8 never restores)
@@ -127,9 +130,13 @@ class Transitions:
         wanted = stale | self.runner.forced_fast_layers
         if self.config.policy == "static-fp8" or self.queue_fast:
             wanted = frozenset(range(self.num_layers))
+        self.deferred_fast = None
         if wanted == self.runner.fast_layers:
             return
         entered, left = wanted - self.runner.fast_layers, self.runner.fast_layers - wanted
+        if left and not entered and defers is not None and defers(len(wanted)):
+            self.deferred_fast = len(wanted)
+            return
         self.runner.set_fast_layers(wanted)
         now = time.monotonic()
         if entered:
