@@ -87,6 +87,37 @@ def test_a_switch_to_a_slower_mode_waits_for_a_step_planned_for_it():
     assert b.plan_tokens(48, None) == fast and b.plan_tokens(48, 0) == full and b.plan_tokens(0, 48) == full
 
 
+# Full mode's first chunk-carrying steps of dps at 14 req/s on the H200 (session 12, call 2): (tokens, seconds).
+COLD_FIRST_STEP = (374, 0.2358)
+H200_FULL_STEPS = [(1839, 0.0962), (2048, 0.1036), (2048, 0.1007), (2048, 0.1051), (761, 0.0601), (1125, 0.0816),
+                   (1750, 0.0977), (410, 0.0533), (2048, 0.1090)]
+
+
+def test_a_cold_first_step_is_left_out_and_the_budget_caps():
+    """With the 236 ms first step in the fit the slope is negative and nothing is capped; once one more step than
+    min_samples is kept, the fit leaves that step out and caps like the steps without it."""
+    with_cold, without = budget(bound=0.11), budget(bound=0.11)
+    with_cold.record(0, *COLD_FIRST_STEP)
+    for step in H200_FULL_STEPS:
+        with_cold.record(0, *step)
+        without.record(0, *step)
+    assert with_cold.fit(0) is not None and with_cold.fit(0).samples == len(H200_FULL_STEPS)
+    assert with_cold.tokens(0) == without.tokens(0) == 2025
+    fit = without.fit(0)
+    assert fit.margin_s == pytest.approx(0.00575, abs=1e-5)  # the spread of ordinary steps stays in the margin
+    truncated = budget(bound=0.11)  # exactly min_samples kept: nothing is left out, and nothing is capped
+    for step in [COLD_FIRST_STEP, *H200_FULL_STEPS[:7]]:
+        truncated.record(0, *step)
+    assert truncated.fit(0) is None and truncated.tokens(0) == 2048
+
+
+def test_steps_that_are_slow_more_than_once_stay_in_the_margin():
+    b = budget(bound=0.11)
+    for step in [COLD_FIRST_STEP, COLD_FIRST_STEP, *H200_FULL_STEPS]:
+        b.record(0, *step)
+    assert b.fit(0) is None or b.fit(0).samples == len(H200_FULL_STEPS) + 2
+
+
 def test_cap_is_clamped_to_floor_and_budget():
     slow = budget(min_samples=2, min_tokens=256)
     slow.record(0, 100, 0.5), slow.record(0, 200, 0.6)  # already over the bound: the floor
