@@ -4,12 +4,14 @@
 # The setting is session 9's (2,048-token chunks, mixed-step graphs, --max-step-time 0.11).
 #   RUNS: "policy:rate,rate,...:seconds ..." (default "dps:14,16:330"), each run under its own time limit
 #   STATIC_RATES: static-fp16's rates, under what is left of 575 s (default 10; empty: none)
+#   EXTRA: more headline.py arguments for every run (for example "--max-num-seqs 512")
 # Session 11, call 1 (RUNS="dps:14,16,18:390"): dps 14.0 / 100 / 100 % at 14 / 16 / 18 req/s, static-fp16 100 % at 10;
 # the 14 point was the step budget's lock (packages/control/src/elastiserve/control/step_budget.py), since fixed.
+# Session 12 ran it four times (BENCHMARKS.md, "Session 12").
 source ci/gpu/bootstrap.sh
 set +e
 start_round
-common=$(moe_budget_args)
+common="$(moe_budget_args) ${EXTRA:-}"
 dirs=""
 for run in ${RUNS:-dps:14,16:330}; do
   IFS=: read -r policy rates limit <<< "$run"
