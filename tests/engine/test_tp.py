@@ -7,6 +7,7 @@ TP=2 against TP=1 on tiny random models written to a model directory (every rank
 - elastickv, forced demotion and promotion: every rank's KV of the promoted pairs is bit-exact, tokens equal TP=1's;
 - every rank's Algorithm 1 books equal rank 0's afterwards, and the workers exit with code 0 on ``engine.close()``;
 - an engine idle for longer than the collective timeout keeps its workers (before, their wait for a plan timed out).
+- the step plans carry the forward's inputs only, and seeded sampling with penalties and logprobs equals TP=1's.
 Workers are reached through ``TPRunner.on_every_rank`` with the probes of ``tp_probes.py``.
 """
 
@@ -276,3 +277,45 @@ def test_failed_startup_leaves_no_worker_or_group_behind(tmp_path, engines):
         engines(write_model_dir(tmp_path, config, seed=0), 2)
     assert not dist.is_initialized() and not multiprocessing.active_children()
     assert set(glob.glob(rendezvous)) == before
+
+
+def sample_everything(engine) -> list:
+    """Seeded sampling with every penalty, sampled-token and prompt logprobs: tokens and every logprob, per prompt."""
+    params = SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=8, ignore_eos=True, presence_penalty=0.5,
+                            frequency_penalty=0.3, repetition_penalty=1.2, logprobs=2, prompt_logprobs=1)
+    ids = [f"s{i}" for i in range(len(PROMPTS))]
+    for request_id, prompt in zip(ids, PROMPTS):
+        engine.add_request(request_id, prompt, params)
+    got: dict[str, list] = {request_id: [[], [], []] for request_id in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, logprobs, prompt = got[out.request_id]
+            tokens += out.new_token_ids
+            logprobs += [(e.token_id, e.logprob, e.top) for e in out.logprobs or ()]
+            prompt += [(e.token_id, e.logprob, e.top) for e in out.prompt_logprobs or ()]
+    return [got[request_id] for request_id in ids]
+
+
+def test_workers_get_the_forward_inputs_only_and_sampling_still_equals_tp1(llama_dir, engines, monkeypatch):
+    """Rank 0 samples and scores alone, so the step plans it broadcasts carry no sampling params, request ids,
+    penalty histories or prompt rows (``step_inputs.forward_inputs``); seeded sampling with penalties and logprobs
+    gives what TP=1 gives."""
+    from elastiserve.engine import tp
+
+    expected = sample_everything(engines(llama_dir, 1))
+    engine = engines(llama_dir, 2)
+    plans = []
+    broadcast = tp._broadcast
+    monkeypatch.setattr(tp, "_broadcast", lambda group, plan: (plans.append(plan), broadcast(group, plan))[1])
+    got = sample_everything(engine)
+    runs = [plan.args[0] for plan in plans if plan.method == "run"]
+    assert len(runs) >= 8 and all(run.tokens for run in runs)
+    assert not any(run.sample_params or run.request_ids or run.sample_histories or run.prompt_rows for run in runs)
+    assert [tokens for tokens, _, _ in got] == [tokens for tokens, _, _ in expected]
+    for (_, logprobs, prompt), (_, want_logprobs, want_prompt) in zip(got, expected):
+        assert len(logprobs) == 8 and len(prompt) > 0
+        for entry, want in zip(logprobs + prompt, want_logprobs + want_prompt):
+            assert entry[0] == want[0] and [t for t, _ in entry[2]] == [t for t, _ in want[2]]
+            # fp16 partial sums reduced over two ranks: close, not bit-equal (up to 7.5e-3 apart, measured here)
+            assert entry[1] == pytest.approx(want[1], abs=2e-2)
+    close_and_check_workers(engine)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from elastiserve.engine.errors import EngineError
+from elastiserve.engine.step_inputs import forward_inputs
 from elastiserve.engine.tp_sharding import shard_model
 from elastiserve.platforms import ConfigError
 from elastiserve.platforms.env import settings
@@ -173,7 +174,9 @@ class TPRunner:
         return call
 
     def execute(self, batch: Any, kv: Any) -> Any:
-        return self.run(self.runner.step_inputs(batch, kv))
+        inputs = self.runner.step_inputs(batch, kv)
+        _broadcast(self.group, Plan("run", (forward_inputs(inputs),), self.recording.take_log()))
+        return self.runner.run(inputs)
 
     def evict_layers(self, layers: list[int]) -> None:
         self.runner.evict_layers(layers)
