@@ -66,6 +66,7 @@ class FakeEngine:
         self.waiting: list[FakeRequest] = []
         self.running: list[FakeRequest] = []
         self.used_blocks = 0
+        self.prefix_leaders: dict[str, str | None] = {}  # request id -> the prefix_leader it was added with
         self.fail_next_step = False
         self.num_steps = 0
         self.aborted: list[str] = []
@@ -75,10 +76,11 @@ class FakeEngine:
     def close(self) -> None:
         self.closed = True
 
-    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None, prefix_leader=None) -> None:
         params.validate(VOCAB, self.max_model_len, len(prompt_token_ids))
         if any(r.request_id == request_id for r in self.waiting + self.running):
             raise ValueError(f"duplicate request id {request_id}")
+        self.prefix_leaders[request_id] = prefix_leader
         self.waiting.append(FakeRequest(request_id, list(prompt_token_ids), params, arrival_time or time.monotonic()))
 
     def abort_request(self, request_id) -> None:

@@ -233,3 +233,41 @@ def test_cached_pairs_do_not_keep_an_evicted_model_in_fp8(tiny_llama, device):  
     while engine.has_unfinished():
         engine.step()
     assert engine.kv.pool.num_free(False) == free_at_start  # the request's pairs are retained again, as free
+
+
+@pytest.mark.cuda
+def test_later_choices_wait_for_the_first_and_take_its_prompt_from_the_cache(tiny_llama, device):  # noqa: F811
+    """``n`` choices of one prompt (the server's n > 1): the later ones are held while the first is in prefill, then
+    take every complete pair of the prompt from the cache and compute only the partial pair; all three give the
+    reference's greedy tokens. Without prefix caching the leader is ignored."""
+    from elastiserve.engine.sequence import SequenceStatus
+
+    engine = make_engine(tiny_llama, device, enable_prefix_caching=True)
+    pair = 2 * block_size_for(device)
+    prompt = [(3 * i + 2) % 200 for i in range(3 * pair + 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"c{i}", prompt, params, prefix_leader=None if i == 0 else "c0")
+    seqs = [engine.scheduler.find(f"c{i}") for i in range(3)]
+    computed = dict.fromkeys(("c0", "c1", "c2"), 0)
+    execute = engine.runner.execute
+
+    def counting(batch, kv):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            computed[seq.request_id] += n
+        return execute(batch, kv)
+
+    engine.runner.execute = counting
+    while engine.has_unfinished():
+        leader_in_prefill = seqs[0].in_prefill
+        engine.step()
+        if leader_in_prefill:
+            assert all(seq.status is SequenceStatus.WAITING for seq in seqs[1:])
+    expected = hf_greedy(tiny_llama[1], prompt, params.max_tokens)
+    assert [seq.output_token_ids for seq in seqs] == [expected] * 3
+    assert engine.stats()["prefix_cache_hit_tokens"] == 2 * 3 * pair  # both later choices: every complete pair
+    assert computed == {"c0": len(prompt) + 7, "c1": 3 + 7, "c2": 3 + 7}  # prompt rows, then 7 decodes each
+    plain = make_engine(tiny_llama, device)
+    plain.add_request("a", prompt, params)
+    plain.add_request("b", prompt, params, prefix_leader="a")
+    assert plain.scheduler.find("b").prefix_leader is None

@@ -188,6 +188,9 @@ def test_n_choices_stream_and_non_stream(served):
                 extra_body={"ignore_eos": True})
     full = served.client.completions.create(**args)
     assert [c.index for c in full.choices] == [0, 1, 2] and full.usage.completion_tokens == 15
+    if isinstance(served.engine, FakeEngine):  # the later choices name the first as their prefix leader
+        leaders = {rid: leader for rid, leader in served.engine.prefix_leaders.items() if rid.endswith(("-1", "-2"))}
+        assert leaders and all(leader == rid[:-2] + "-0" for rid, leader in leaders.items())
     assert all(c.finish_reason == "length" for c in full.choices)
     again = served.client.completions.create(**args)
     assert [c.text for c in again.choices] == [c.text for c in full.choices]  # seeded choices reproduce

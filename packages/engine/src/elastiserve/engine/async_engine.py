@@ -118,11 +118,13 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
         await self.call(lambda: self._abort_quietly(request_id))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                       prefix_leader: str | None = None) -> AsyncIterator[Any]:
         """Yield the request's `RequestOutput`s until one is finished.
 
         Leaving the iteration early (break, cancellation on client disconnect, an error while writing) aborts the
         request on the engine, which frees its blocks. ``add_request`` errors (e.g. `InvalidRequest`) propagate.
+        ``prefix_leader`` (``LLMEngine.add_request``) is passed on only when given.
         """
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -131,7 +133,8 @@ class AsyncEngine:
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt_token_ids, params))
+            extra = {} if prefix_leader is None else {"prefix_leader": prefix_leader}
+            await self.call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, **extra))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

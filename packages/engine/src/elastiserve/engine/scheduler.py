@@ -145,7 +145,7 @@ class Scheduler:
         num_seqs = len(self.running)
         tally = self.admission.tally(self.running) if self.admission is not None and self.waiting else None
         for seq in self.waiting:
-            if budget <= 0 or num_seqs >= self.max_num_seqs:
+            if budget <= 0 or num_seqs >= self.max_num_seqs or self.held_for_leader(seq):
                 break
             if tally is not None and not self.admission.admit(tally, seq):
                 break
@@ -180,6 +180,12 @@ class Scheduler:
             self._admit_waiting(batch, budget)
         return batch
 
+    def held_for_leader(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits for its prefix leader (``Sequence.prefix_leader``): while the leader is queued or
+        still in prefill. It then holds the queue behind it too (FCFS), for at most the leader's prefill."""
+        leader = None if seq.prefix_leader is None else self.find(seq.prefix_leader)
+        return leader is not None and (leader.status is SequenceStatus.WAITING or leader.in_prefill)
+
     def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         while not self.kv.allocate(seq, n):
             victim = max(self.running, key=lambda s: s.arrival_time)
@@ -209,7 +215,7 @@ class Scheduler:
         tally = self.admission.tally(self.running) if self.admission is not None and self.waiting else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if tally is not None and not self.admission.admit(tally, seq):
+            if self.held_for_leader(seq) or (tally is not None and not self.admission.admit(tally, seq)):
                 break
             matched = self.kv.match_prefix(seq)  # cached pairs from the prompt's start are not computed again
             n = min(seq.num_uncomputed_tokens, budget)

@@ -50,6 +50,9 @@ class Sequence:
     prompt_logprobs: list | None = None  # TokenLogprobs of the prompt so far, when its params ask for them
     pair_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain hashes of leading pairs (a memo)
     cache_held: list[bool] = field(default_factory=list)  # per registered pair: its blocks belong to the prefix cache
+    # a request with the same prompt (a sibling of n choices): admitted once that one's prefill is done, so the
+    # prefix cache holds the prompt's pairs by then (Scheduler.held_for_leader)
+    prefix_leader: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """One completion or chat request on the server: prompt and parameters checked, the engine request(s) run, and the
 answer written as one JSON body or as server-sent events. With ``n`` > 1 the choices are ``n`` engine requests (seeds
 ``seed``, ``seed + 1``, ... when a seed is given) that run side by side; their chunks interleave in a stream, each
-with its choice index, and a client that leaves aborts all of them.
+with its choice index, and a client that leaves aborts all of them. With prefix caching the later choices wait for
+the first's prefill and take the prompt's pairs from the cache (``LLMEngine.add_request``'s ``prefix_leader``).
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
     async with contextlib.AsyncExitStack() as stack:
         ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
         outputs = [await stack.enter_async_context(contextlib.aclosing(
-            state.engine.generate(choice_id, prompt_ids, choice_params(params, i)))) for i, choice_id in enumerate(ids)]
+            state.engine.generate(choice_id, prompt_ids, choice_params(params, i), prefix_leader=None if i == 0
+                                  else ids[0]))) for i, choice_id in enumerate(ids)]
         try:  # add_request errors surface here, before any byte is sent; all choices start together
             firsts = await gather_or_cancel(anext(out) for out in outputs)
         except (ValueError, TypeError) as exc:
