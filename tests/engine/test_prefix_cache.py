@@ -267,7 +267,33 @@ def test_later_choices_wait_for_the_first_and_take_its_prompt_from_the_cache(tin
     assert [seq.output_token_ids for seq in seqs] == [expected] * 3
     assert engine.stats()["prefix_cache_hit_tokens"] == 2 * 3 * pair  # both later choices: every complete pair
     assert computed == {"c0": len(prompt) + 7, "c1": 3 + 7, "c2": 3 + 7}  # prompt rows, then 7 decodes each
+    assert all(seq.prefix_leader is None for seq in seqs)  # cleared at admission: a preempted choice is not held
+    engine.add_request("late", prompt, params, prefix_leader="not-queued")
+    assert engine.scheduler.find("late").prefix_leader is None  # a leader the engine does not have is ignored
     plain = make_engine(tiny_llama, device)
     plain.add_request("a", prompt, params)
     plain.add_request("b", prompt, params, prefix_leader="a")
     assert plain.scheduler.find("b").prefix_leader is None
+
+
+@pytest.mark.cuda
+def test_a_preempted_choice_ahead_of_its_leader_is_not_held(tiny_llama, device):  # noqa: F811
+    """The leader preempted first and its choice second puts the choice at the queue's head, ahead of the leader;
+    had it still been held, neither would ever run again."""
+    engine = make_engine(tiny_llama, device, enable_prefix_caching=True)
+    prompt = [(3 * i + 2) % 200 for i in range(2 * block_size_for(device) + 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("c0", prompt, params)
+    engine.add_request("c1", prompt, params, prefix_leader="c0")
+    leader, choice = engine.scheduler.find("c0"), engine.scheduler.find("c1")
+    while choice.num_output_tokens < 2:
+        engine.step()
+    engine.scheduler.preempt(leader)
+    engine.scheduler.preempt(choice)
+    assert list(engine.scheduler.waiting)[:2] == [choice, leader]
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    expected = hf_greedy(tiny_llama[1], prompt, params.max_tokens)
+    assert leader.output_token_ids == expected and choice.output_token_ids == expected

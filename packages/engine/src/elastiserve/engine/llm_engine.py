@@ -133,8 +133,8 @@ class LLMEngine:
     ) -> None:
         """``prefix_leader``: a request already added with the same prompt (the first of ``n`` choices). With prefix
         caching this one is admitted once the leader's prefill is done, and its prompt's complete pairs come from
-        the cache instead of being computed again; without prefix caching, or when it scores its prompt (which
-        computes every row), it is ignored."""
+        the cache instead of being computed again; without prefix caching, when it scores its prompt (which
+        computes every row), or when no such request is queued or running, it is ignored."""
         if request_id in self._seq_index:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         params.validate(self.vocab_size, self.max_model_len, len(prompt_token_ids))
@@ -150,7 +150,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, metrics)
         if params.prompt_logprobs is not None:  # nothing predicts the first token
             seq.prompt_logprobs = [TokenLogprob(seq.token_ids[0], None)]
-        elif self.kv.prefix_cache is not None:
+        elif self.kv.prefix_cache is not None and prefix_leader is not None and self.scheduler.find(prefix_leader):
             seq.prefix_leader = prefix_leader
         self._seq_index[request_id] = next(self._seq_ids)
         self.scheduler.add(seq)
