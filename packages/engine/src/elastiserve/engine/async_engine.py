@@ -57,7 +57,8 @@ class AsyncEngine:
     """Serve one engine object (the `LLMEngine` surface) to many asyncio callers.
 
     ``engine`` needs ``add_request(request_id, prompt_token_ids, params)``, ``abort_request(request_id)``,
-    ``step() -> list[RequestOutput]``, ``has_unfinished() -> bool`` and ``stats()``.
+    ``step() -> list[RequestOutput]``, ``has_unfinished() -> bool`` and ``stats()``; ``add_request`` also takes
+    ``prefix_leader=`` where a caller passes one (the server does for ``n`` > 1).
     """
 
     def __init__(self, engine: Any, *, idle_wait_s: float = 0.05) -> None:
