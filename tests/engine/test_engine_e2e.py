@@ -61,8 +61,11 @@ def make_engine(tiny_llama, device, scripted=None, **overrides) -> LLMEngine:
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    # The mask is explicit: without it generate masks every prompt token equal to pad_token_id (the 99-token prompt
+    # of the n-choices test has a 0 at position 66, and the reference then disagreed with a plain forward).
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 
