@@ -210,6 +210,30 @@ def test_n_choices_stream_and_non_stream(served):
     assert served.wait_idle()
 
 
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)  # the fake engine has no sampler
+def test_best_of_returns_the_candidates_of_the_highest_logprob_per_token(served):
+    """``best_of`` 4, ``n`` 2: the four seeded candidates are the four choices of ``n`` 4 (seeds seed .. seed + 3),
+    and the answer is the two of the highest mean token logprob, best first, with no logprobs unless asked; usage
+    counts all four candidates' tokens."""
+    args = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7,
+                extra_body={"ignore_eos": True})
+    every = served.client.completions.create(**args, n=4, logprobs=0)
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in every.choices]
+    assert len(set(means)) == 4  # distinct samples, so the ranking is decided
+    order = sorted(range(4), key=lambda i: -means[i])
+    assert order[:2] != [0, 1]  # the seed is chosen so that the best are not the first two: ranking is needed
+    best = served.client.completions.create(**args, n=2, best_of=4)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [every.choices[i].text for i in order[:2]]
+    assert all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == 4 * 6
+    with_logprobs = served.client.completions.create(**args, n=1, logprobs=2, best_of=4)
+    choice = with_logprobs.choices[0]
+    assert choice.text == every.choices[order[0]].text and len(choice.logprobs.top_logprobs[0]) == 2
+    assert sum(choice.logprobs.token_logprobs) / 6 == pytest.approx(means[order[0]], abs=1e-4)
+    assert served.wait_idle()
+
+
 def test_chat_stream_and_non_stream(served):
     messages = [{"role": "user", "content": "Say hello."}]
     full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)
@@ -235,7 +259,10 @@ def test_chat_stream_and_non_stream(served):
         ({"model": MODEL, "prompt": "hi", "top_p": 0.0}, None),
         ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
-        ({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+        ({"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 65}, "best_of"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 2, "temperature": 0.0}, "best_of"),
         ({"model": MODEL, "prompt": 5}, "prompt"),
         ({"model": MODEL, "prompt": "hi " * 400, "max_tokens": 4}, "max_tokens"),
         ({"model": MODEL}, "prompt"),

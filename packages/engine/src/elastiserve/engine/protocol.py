@@ -1,7 +1,8 @@
 """OpenAI request parsing and response bodies, with no I/O: the server turns JSON into a `ParsedRequest` here.
 
 Every user mistake raises `BadRequest` carrying the OpenAI error fields (message, param, code); the server answers it
-with HTTP 400. ``n`` choices are served (up to ``MAX_N``); ``best_of`` is only accepted equal to ``n``.
+with HTTP 400. ``n`` choices are served (up to ``MAX_N``); ``best_of`` candidates (n <= best_of <= MAX_N) are
+generated and the ``n`` with the highest log-probability per token returned, as OpenAI defines it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class ParsedRequest:
     echo: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # keyword arguments for SamplingParams
     stop: tuple[str, ...] = ()
-    n: int = 1  # choices, each its own engine request
+    n: int = 1  # choices returned
+    best_of: int = 1  # candidates generated, each its own engine request; the n best are returned
 
     @property
     def max_tokens(self) -> int:
@@ -117,16 +119,25 @@ def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, 
 MAX_N = 64  # choices per request
 
 
-def _parse_n(body: dict) -> int:
+def _parse_choices(body: dict, stream: bool, sampling: dict[str, Any]) -> tuple[int, int]:
+    """``n`` and ``best_of`` (default ``n``). Candidates beyond ``n`` are ranked once all have finished, so they
+    cannot stream (OpenAI refuses the same), and greedy candidates are all the same text, so there is nothing to
+    rank (vLLM refused greedy best_of too)."""
     n = _integer(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"'n' must be between 1 and {MAX_N}, got {n}", param="n")
     best_of = _integer(body, "best_of")
-    if best_of is not None and best_of != n:
-        raise BadRequest(f"best_of={best_of} is not supported: only best_of equal to n ({n}), which ranks nothing",
-                         param="best_of", code="unsupported_value")
-    return n
+    best_of = n if best_of is None else best_of
+    if not n <= best_of <= MAX_N:
+        raise BadRequest(f"'best_of' must be between n ({n}) and {MAX_N}, got {best_of}", param="best_of")
+    if best_of > n and stream:
+        raise BadRequest("'best_of' above 'n' cannot be streamed: the best are known only when all have finished",
+                         param="best_of")
+    if best_of > n and sampling.get("temperature") == 0.0:
+        raise BadRequest("'best_of' above 'n' needs sampling: with temperature 0 every candidate is the same",
+                         param="best_of")
+    return n, best_of
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -160,17 +171,17 @@ def parse_completion(body: Any) -> ParsedRequest:
     elif not isinstance(prompt, str):
         raise BadRequest("'prompt' is required and must be a string or a list of token ids", param="prompt",
                          code="invalid_type")
-    n = _parse_n(body)
     stream, include_usage = _stream_flags(body)
     echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
     sampling = _parse_sampling(body, ("max_tokens",))
+    n, best_of = _parse_choices(body, stream, sampling)
     _set_logprobs(sampling, _integer(body, "logprobs"), "logprobs")
     if echo and "logprobs" in sampling:  # OpenAI's echo with logprobs scores the prompt too
         sampling["prompt_logprobs"] = sampling["logprobs"]
     if sampling.get("max_tokens") == 0 and "prompt_logprobs" not in sampling:
         raise BadRequest("'max_tokens' 0 only scores the prompt: it needs 'echo' with 'logprobs'", param="max_tokens")
     return ParsedRequest("completion", model, prompt=prompt, stream=stream, include_usage=include_usage, echo=echo,
-                         sampling=sampling, stop=_parse_stop(body), n=n)
+                         sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of)
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI's completions allow 5, its chat 20)
@@ -213,9 +224,9 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise BadRequest("the request body must be a JSON object")
     model = _require_model(body)
     messages = _parse_messages(body)
-    n = _parse_n(body)
     stream, include_usage = _stream_flags(body)
     sampling = _parse_sampling(body, ("max_completion_tokens", "max_tokens"))
+    n, best_of = _parse_choices(body, stream, sampling)
     if sampling.get("max_tokens") == 0:
         raise BadRequest("'max_tokens' must be at least 1, got 0", param="max_tokens")
     wants = _check_type(body, "logprobs", (bool,), "a boolean")
@@ -225,7 +236,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     if wants:
         _set_logprobs(sampling, top or 0, "top_logprobs")
     return ParsedRequest("chat", model, messages=messages, stream=stream, include_usage=include_usage,
-                         sampling=sampling, stop=_parse_stop(body), n=n)
+                         sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of)
 
 
 def new_id(kind: str) -> str:

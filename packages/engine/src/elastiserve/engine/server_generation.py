@@ -3,6 +3,9 @@ answer written as one JSON body or as server-sent events. With ``n`` > 1 the cho
 ``seed``, ``seed + 1``, ... when a seed is given) that run side by side; their chunks interleave in a stream, each
 with its choice index, and a client that leaves aborts all of them. With prefix caching the later choices wait for
 the first's prefill and take the prompt's pairs from the cache (``LLMEngine.add_request``'s ``prefix_leader``).
+``best_of`` > ``n`` runs ``best_of`` candidates the same way (never streamed), each scoring its sampled tokens
+(``logprobs`` 0 when the client asked for none), and answers with the ``n`` of the highest mean log-probability per
+token; usage counts every candidate's tokens, as OpenAI bills them.
 """
 
 from __future__ import annotations
@@ -96,13 +99,20 @@ class RequestRun:
         self.pending_logprobs: list[Any] = []  # TokenLogprobs not yet sent
         self.prompt_logprobs_taken = False  # an echoed stream sends the prompt's with the echo chunk
         self.text_offset = 0  # completions' logprobs: where the next token's text starts in the choice's text
+        self.sum_logprob = 0.0  # of the tokens fed, under the raw distribution (best_of's ranking)
+        self.scored_tokens = 0
 
     def feed(self, output: Any) -> str:
         """New text that is safe to send; sets ``finish_reason`` when the request ends (engine or stop string)."""
         now = time.perf_counter()
         new_ids = list(output.new_token_ids)
         self.take_prompt(output)
-        self.pending_logprobs += getattr(output, "logprobs", None) or []
+        new_logprobs = getattr(output, "logprobs", None) or []
+        self.pending_logprobs += new_logprobs
+        for entry in new_logprobs:
+            if entry.logprob is not None:
+                self.sum_logprob += entry.logprob
+                self.scored_tokens += 1
         if new_ids:
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
@@ -118,6 +128,11 @@ class RequestRun:
             if self.finish_reason == "abort":
                 self.finish_reason = "stop"
         return text
+
+    @property
+    def mean_logprob(self) -> float:
+        """Log-probability per scored token: OpenAI's "best" of ``best_of`` (an empty candidate ranks last)."""
+        return self.sum_logprob / self.scored_tokens if self.scored_tokens else float("-inf")
 
     def take_prompt(self, output: Any) -> None:
         """Queue the prompt's logprobs (echo with logprobs) ahead of the generated tokens', once."""
@@ -168,9 +183,12 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
     params = make_params(state, req, len(prompt_ids))
     request_id = protocol.new_id(req.kind)
     state.metrics.count("requests_total")
-    runs = [RequestRun(state, req, len(prompt_ids), index=i) for i in range(req.n)]
+    ranked = req.best_of > req.n
+    if ranked and getattr(params, "logprobs", 0) is None:  # score the sampled tokens only (no alternatives)
+        params = dataclasses.replace(params, logprobs=0)
+    runs = [RequestRun(state, req, len(prompt_ids), index=i) for i in range(req.best_of)]
     async with contextlib.AsyncExitStack() as stack:
-        ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
+        ids = [request_id] if req.best_of == 1 else [f"{request_id}-{i}" for i in range(req.best_of)]
         outputs = [await stack.enter_async_context(contextlib.aclosing(
             state.engine.generate(choice_id, prompt_ids, choice_params(params, i), prefix_leader=None if i == 0
                                   else ids[0]))) for i, choice_id in enumerate(ids)]
@@ -184,9 +202,15 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
     for run in runs:
         run.record()
     echo = prompt_text(state, req) if req.echo else ""
-    choices = [(echo + text, run.finish_reason, run.take_logprobs()) for run, text in zip(runs, texts)]
+    best = best_candidates(runs, req.n) if ranked else range(req.n)
+    choices = [(echo + texts[i], runs[i].finish_reason, runs[i].take_logprobs()) for i in best]
     body = protocol.full_body(req, request_id, choices, runs[0].prompt_len, sum(r.num_output_tokens for r in runs))
     return web.json_response(body)
+
+
+def best_candidates(runs: list[RequestRun], n: int) -> list[int]:
+    """The indices of the ``n`` runs of the highest mean log-probability per token, best first (ties: lower index)."""
+    return sorted(range(len(runs)), key=lambda i: (-runs[i].mean_logprob, i))[:n]
 
 
 async def gather_or_cancel(coroutines: Any) -> list[Any]:
