@@ -207,3 +207,32 @@ def test_the_bound_restores_joint_slo_attainment_at_large_chunks():
                                               max_num_batched_tokens=8192, max_step_time_s=cap))
         attainment[cap] = simulate(requests, control, sim).summary().attainment
     assert attainment[None] < 0.1 and attainment[0.022] > 0.99
+
+
+def test_primed_steps_cap_before_any_served_step_and_give_way_to_served_ones():
+    """Steps timed before serving stand in for a mode's first ``min_samples`` served steps: they cap from the first
+    step, a served step above their line raises the margin at once, and ``min_samples`` served steps replace them."""
+    primed_line = [(tokens, 0.020 + 5e-5 * tokens) for tokens in (512, 1024, 1536, 2048)]  # 20 ms + 50 us/token
+
+    b = budget(min_samples=4)
+    b.prime(0, primed_line)
+    assert b.tokens(0) == 1600  # (0.1 - 0.02) / 5e-5, as test_exact_line_gives_the_hand_computed_cap
+    assert b.tokens(48) == 1600  # an unprimed mode borrows the primed one's budget
+    b.record(0, 1000, 0.075)  # served: 5 ms above the primed line (70 ms)
+    fit = b.fit(0)
+    assert fit.samples == 5 and fit.margin_s > 0.003 and b.tokens(0) < 1600
+
+    b = budget(min_samples=4)
+    b.prime(0, primed_line)
+    for tokens in (800, 1000, 1200, 1600):  # served steps on another line: 30 ms + 40 us per token
+        b.record(0, tokens, 0.030 + 4e-5 * tokens)
+    fit = b.fit(0)
+    assert fit.samples == 4 and fit.intercept_s == pytest.approx(0.030) and fit.per_token_s == pytest.approx(4e-5)
+    assert b.tokens(0) == 1750  # (0.1 - 0.03) / 4e-5: the primed steps no longer count
+
+
+def test_priming_refuses_steps_that_cannot_be_timed():
+    with pytest.raises(ConfigError, match="prime"):
+        budget().prime(0, [(0, 0.01)])
+    with pytest.raises(ConfigError, match="prime"):
+        budget().prime(0, [(512, 0.0)])

@@ -130,3 +130,65 @@ def test_a_switch_back_to_full_waits_for_a_step_budgeted_for_full():
         assert counts["mode_fast"] == 1 and counts["mode_full"] == 1
     finally:
         engine.close()
+
+
+def test_probe_steps_prime_the_budget_of_every_whole_model_mode():
+    """The probe (``step_probe``): a quarter, a half, three quarters and all of the chunk budget, twice each, in each
+    mode the policy reaches, written nowhere in the KV cache; the primed budget caps before any served step, and the
+    served steps it learns from are the served ones only."""
+    from elastiserve.engine import step_probe
+
+    assert step_probe.probe_token_counts(512) == [128, 256, 384, 512] and step_probe.probe_token_counts(2) == [1, 2]
+    inputs = step_probe.probe_inputs(40, vocab_size=97)
+    assert inputs.slots == [-1] * 40 and len(set(inputs.tokens)) > 10 and all(0 <= t < 97 for t in inputs.tokens)
+    model = random_fp16_model(small_llama_config(2, 1024))
+    config = EngineConfig(model="tiny", device="cpu", block_size=4, max_num_seqs=8, max_num_batched_tokens=512,
+                          max_step_time_s=1e-4, cpu_kv_blocks=256)
+    engine = LLMEngine(config, model=model, eos_token_ids=())
+    try:
+        kv_before = engine.runner.kv_cache.clone()
+        assert engine.step_budget.tokens(0) == 512  # on the CPU nothing is primed at start-up
+        engine.prime_step_budget()
+        primed = engine.step_budget._priors
+        assert list(primed) == [0] and [t for t, _ in primed[0]] == [128, 128, 256, 256, 384, 384, 512, 512]
+        assert all(seconds > 0 for _, seconds in primed[0])
+        assert engine.runner.kv_cache.equal(kv_before) and engine.runner.fast_layers == frozenset()
+        assert engine.step_budget.tokens(0) == 256  # a 0.1 ms bound no CPU step meets: the floor (min_tokens)
+        result = engine.generate([[5] * 300], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0]
+        assert len(result.token_ids) == 2
+        assert [t for t, _ in engine.step_budget._steps[0]] == [256, 44]  # served chunks, capped from the first
+    finally:
+        engine.close()
+
+
+def test_probe_runs_each_mode_and_puts_the_runner_back():
+    """dps reaches two whole-model modes: the probe times both (keyed by their number of fast layers), one untimed
+    run before each size's timed ones, and leaves the runner in the mode it found, also when a run fails."""
+    from elastiserve.engine import step_probe
+    from elastiserve.engine.warmup import mode_sets
+
+    class Runner:
+        def __init__(self, fail_at=None):
+            self.fast_layers, self.runs, self.fail_at = frozenset({1}), [], fail_at
+
+        def set_fast_layers(self, fast):
+            self.fast_layers = fast
+
+        def run(self, inputs):
+            if len(self.runs) == self.fail_at:
+                raise RuntimeError("device lost")
+            self.runs.append((len(self.fast_layers), len(inputs.tokens)))
+
+        def synchronize(self):
+            pass
+
+    sets = mode_sets(EngineConfig(model="x", policy="dps"), 4)
+    runner = Runner()
+    times = step_probe.probe_step_times(runner, sets, [8, 16], vocab_size=50)
+    assert {mode: [t for t, _ in steps] for mode, steps in times.items()} == {0: [8, 8, 16, 16], 4: [8, 8, 16, 16]}
+    assert runner.runs == [(0, 8)] * 3 + [(0, 16)] * 3 + [(4, 8)] * 3 + [(4, 16)] * 3
+    assert runner.fast_layers == frozenset({1})
+    failing = Runner(fail_at=5)
+    with pytest.raises(RuntimeError, match="device lost"):
+        step_probe.probe_step_times(failing, sets, [8, 16], vocab_size=50)
+    assert failing.fast_layers == frozenset({1})

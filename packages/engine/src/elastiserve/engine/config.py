@@ -36,7 +36,8 @@ class EngineConfig:
     # each engine start captures 60-120 more graphs (17-29 s there) and the dense settings are not measured with it.
     mixed_graphs: bool = False
     # Cap the tokens of steps that carry prefill chunks so that they take at most this long, per precision mode,
-    # from the engine's recent steps (step_budget.py); None: every step may take max_num_batched_tokens.
+    # from the engine's recent steps (step_budget.py), primed on a GPU with probe steps timed after warm-up
+    # (step_probe.py); None: every step may take max_num_batched_tokens.
     max_step_time_s: float | None = None
     # dps / combined: run every layer in FP8 (residuals kept resident, so going back costs nothing) while a request
     # has waited this long for its first token (control PrecisionConfig.queue_fast_s); None: memory alone decides.

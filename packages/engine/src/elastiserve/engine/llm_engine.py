@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import time
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from elastiserve.control.step_budget import StepBudget, StepBudgetConfig
+from elastiserve.engine import step_probe
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
 from elastiserve.engine.kv_manager import KVManager
@@ -28,9 +30,11 @@ from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
 from elastiserve.engine.tokenizer import StopStringMatcher
 from elastiserve.engine.transitions import Transitions
+from elastiserve.engine.warmup import mode_sets
 from elastiserve.platforms import ConfigError
 
 __all__ = ["CompletionResult", "LLMEngine", "RequestOutput"]
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -109,6 +113,8 @@ class LLMEngine:
         self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings
         self._closed = False
         self.runner.warm_up()
+        if self.step_budget is not None and self.device.type == "cuda":  # the CPU's steps are tests' (as warm-up)
+            self.prime_step_budget()
         self._gc_frozen = self.runner.device.type == "cuda"
         if self._gc_frozen:
             # What start-up built (model, kernels, graphs) lives as long as the engine: out of the collector's
@@ -117,6 +123,18 @@ class LLMEngine:
             # bound of 189 requests; a collection is a likely cause, not a proven one.
             gc.collect()
             gc.freeze()
+
+    def prime_step_budget(self) -> None:
+        """Time probe steps in each whole-model mode and prime the budget with them (``step_probe``); on a GPU the
+        engine does this once, after warm-up."""
+        budget = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_layers = self.model.config.num_hidden_layers
+        times = step_probe.probe_step_times(self.runner, mode_sets(self.config, num_layers),
+                                            step_probe.probe_token_counts(budget), self.vocab_size)
+        for mode, steps in times.items():
+            self.step_budget.prime(mode, steps)
+            log.info("step budget: %d fast layers primed with %s -> %d tokens", mode,
+                     ", ".join(f"{t} tokens {s * 1e3:.1f} ms" for t, s in steps), self.step_budget.tokens(mode))
 
     @property
     def max_model_len(self) -> int:

@@ -156,6 +156,11 @@ class ModelRunner:
                 step.logprobs[i] = entry
         return step
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (timing a step that samples nothing, ``step_probe``)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:
             return None
