@@ -26,7 +26,7 @@ from elastiserve.control.pool import KVPoolModel, make_pool
 from elastiserve.control.precision import layers_to_run_fast
 from elastiserve.control.sim_recovery import TransferRecovery
 from elastiserve.control.sim_sequence import SimSequence
-from elastiserve.control.step_budget import StepBudget, StepBudgetConfig
+from elastiserve.control.step_budget import StepBudget, StepBudgetConfig, probe_token_counts
 from elastiserve.control.step_model import StepModel, padded_batch
 from elastiserve.control.workloads import Request
 from elastiserve.platforms import ConfigError
@@ -83,11 +83,22 @@ class Replica(TransferRecovery):
         self._preempted_now: set[int] = set()
         self.step_budget = None if rc.max_step_time_s is None else StepBudget(
             StepBudgetConfig(rc.max_step_time_s, rc.max_num_batched_tokens))
+        if self.step_budget is not None:
+            self._prime_step_budget()
         kv = control.kv  # kv.admission: "free" admits anything the free blocks hold; see control.admission
         self._bound = None if kv.admission == "free" else BaseFloorBound(
             self.pool.total_blocks if control.uses_eviction else self.pool.native_blocks,
             lambda s: s.request.prompt_tokens + min(s.request.output_tokens, kv.admission_output_clip), rc.block_size,
             kv.sink_pairs + kv.recent_pairs, headroom_blocks=2 * kv.b_min)
+
+    def _prime_step_budget(self) -> None:
+        """As the engine's probe after warm-up (engine/step_probe.py): one prefill-only step per probe size in each
+        whole-model mode, timed by the step model."""
+        num_layers = self.pool.num_layers
+        for layers in (0, num_layers) if self.allow_backed else (0,):
+            fast = layers / max(1, num_layers)
+            self.step_budget.prime(layers, [(t, self.sm.step_time(t, t, fast_fraction=fast, nested=self.allow_backed))
+                                            for t in probe_token_counts(self.rc.max_num_batched_tokens)])
 
     # ---- intake ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:

@@ -31,6 +31,15 @@ from dataclasses import dataclass
 
 from elastiserve.platforms import ConfigError
 
+PROBE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of the chunk budget: the sizes of the steps that prime a mode
+
+
+def probe_token_counts(budget: int) -> list[int]:
+    """The sizes of the steps timed before serving to prime a mode (``StepBudget.prime``) for a chunk budget of
+    ``budget`` tokens: distinct, so that the fit has spread (the engine's ``step_probe`` and the simulator's
+    replicas)."""
+    return sorted({max(1, int(budget * fraction)) for fraction in PROBE_FRACTIONS})
+
 
 @dataclass(frozen=True, slots=True)
 class StepBudgetConfig:

@@ -19,15 +19,11 @@ import random
 import time
 from typing import Any
 
+from elastiserve.control.step_budget import probe_token_counts
 from elastiserve.engine.step_inputs import StepInputs
 
-PROBE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of the chunk budget
+__all__ = ["probe_inputs", "probe_step_times", "probe_token_counts"]
 PROBE_REPEATS = 2  # timed runs per size, after one untimed
-
-
-def probe_token_counts(budget: int) -> list[int]:
-    """The probe's step sizes for a chunk budget of ``budget`` tokens (distinct, so the fit has spread)."""
-    return sorted({max(1, int(budget * fraction)) for fraction in PROBE_FRACTIONS})
 
 
 def probe_inputs(num_tokens: int, vocab_size: int, seed: int = 0) -> StepInputs:
