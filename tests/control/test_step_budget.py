@@ -1,7 +1,7 @@
 """The step-time token budget (``elastiserve.control.step_budget``): a least-squares fit per precision mode of
 recent chunk-carrying steps, the cap it implies (with the largest residual as margin, clamped to the budget and a
-floor), no cap before enough samples unless primed, steps of one size capped at their slowest rate, a new mode borrowing the
-smallest learned budget; and the simulator's replicas keeping their steps under the bound with it."""
+floor), no cap before enough samples unless primed, steps of one size capped at their slowest rate, a new mode
+borrowing the smallest learned budget; and the simulator's replicas keeping their steps under the bound with it."""
 
 from __future__ import annotations
 
