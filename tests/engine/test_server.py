@@ -234,6 +234,43 @@ def test_best_of_returns_the_candidates_of_the_highest_logprob_per_token(served)
     assert served.wait_idle()
 
 
+def test_a_batch_of_prompts_gives_each_its_choices(served):
+    """A completions ``prompt`` that is a list (strings or token-id lists, as lm-eval sends batches): prompt p's
+    choices have indices p * n .. p * n + n - 1 with the texts each prompt gives alone, usage counts every prompt
+    once and every choice's tokens, echo repeats each choice's own prompt, and a stream carries the same texts."""
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+    args = dict(model=MODEL, max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True})
+    alone = [served.client.completions.create(prompt=p, **args).choices[0].text for p in prompts]
+    batch = served.client.completions.create(prompt=prompts, n=2, **args)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [text for text in alone for _ in range(2)]
+    prompt_tokens = sum(len(served.engine.tokenizer.encode(p)) for p in prompts)
+    assert batch.usage.prompt_tokens == prompt_tokens and batch.usage.completion_tokens == 6 * 4
+    ids = [served.engine.tokenizer.encode(p) for p in prompts[:2]]
+    echoed = served.client.completions.create(prompt=ids, echo=True, **args)
+    assert [c.text for c in echoed.choices] == [p + text for p, text in zip(prompts[:2], alone)]
+    texts = {}
+    for chunk in served.client.completions.create(prompt=prompts, stream=True, **args):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == dict(enumerate(alone))
+    assert served.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [([], "prompt"), (["a", [1, 2]], "prompt"), ([[1, 2], []], "prompt"), (["x"] * 257, "at most 256"),
+     ([True, 2], "prompt")],
+)
+def test_bad_prompt_batches_get_400(fake_served, prompt, message):
+    status, payload = post_raw(fake_served.url, "/v1/completions",
+                               json.dumps({"model": MODEL, "prompt": prompt}).encode())
+    assert status == 400 and payload["error"]["param"] == "prompt" and message in payload["error"]["message"]
+    status, payload = post_raw(fake_served.url, "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": ["a"] * 17, "n": 60, "best_of": 64, "temperature": 1.0}).encode())
+    assert status == 400 and "1024" in payload["error"]["message"]
+
+
 def test_chat_stream_and_non_stream(served):
     messages = [{"role": "user", "content": "Say hello."}]
     full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)

@@ -1,8 +1,10 @@
 """OpenAI request parsing and response bodies, with no I/O: the server turns JSON into a `ParsedRequest` here.
 
 Every user mistake raises `BadRequest` carrying the OpenAI error fields (message, param, code); the server answers it
-with HTTP 400. ``n`` choices are served (up to ``MAX_N``); ``best_of`` candidates (n <= best_of <= MAX_N) are
-generated and the ``n`` with the highest log-probability per token returned, as OpenAI defines it.
+with HTTP 400. A completions ``prompt`` may be a batch (up to ``MAX_PROMPTS``): prompt ``p``'s choices have indices
+``p * n`` to ``p * n + n - 1``, as in vLLM. ``n`` choices are served (up to ``MAX_N``); ``best_of`` candidates
+(n <= best_of <= MAX_N) are generated and the ``n`` with the highest log-probability per token returned, as OpenAI
+defines it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class ParsedRequest:
 
     kind: str  # "completion" or "chat"
     model: str
-    prompt: str | list[int] | None = None  # completions
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: text or token ids, one or a batch
     messages: list[dict[str, Any]] | None = None  # chat
     stream: bool = False
     include_usage: bool = False
@@ -161,27 +163,47 @@ def parse_completion(body: Any) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = _require_model(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one is one prompt
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)",
-                             param="prompt", code="invalid_type")
-    elif not isinstance(prompt, str):
-        raise BadRequest("'prompt' is required and must be a string or a list of token ids", param="prompt",
-                         code="invalid_type")
+    prompts = _parse_prompts(body.get("prompt"))
     stream, include_usage = _stream_flags(body)
     echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
     sampling = _parse_sampling(body, ("max_tokens",))
     n, best_of = _parse_choices(body, stream, sampling)
+    if len(prompts) * best_of > MAX_CANDIDATES:
+        raise BadRequest(f"{len(prompts)} prompts x best_of {best_of} is over {MAX_CANDIDATES} sequences a request",
+                         param="prompt")
     _set_logprobs(sampling, _integer(body, "logprobs"), "logprobs")
     if echo and "logprobs" in sampling:  # OpenAI's echo with logprobs scores the prompt too
         sampling["prompt_logprobs"] = sampling["logprobs"]
     if sampling.get("max_tokens") == 0 and "prompt_logprobs" not in sampling:
         raise BadRequest("'max_tokens' 0 only scores the prompt: it needs 'echo' with 'logprobs'", param="max_tokens")
-    return ParsedRequest("completion", model, prompt=prompt, stream=stream, include_usage=include_usage, echo=echo,
-                         sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of)
+    return ParsedRequest("completion", model, prompts=prompts, stream=stream, include_usage=include_usage,
+                         echo=echo, sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of)
+
+
+MAX_PROMPTS = 256  # prompts in one completions request (a batch: each its own choices, as vLLM serves them)
+MAX_CANDIDATES = 1024  # engine requests one HTTP request may start (prompts x best_of)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _parse_prompts(prompt: Any) -> list[str | list[int]]:
+    """A string, a list of token ids, or a batch of either (a list of strings or of token-id lists)."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [prompt]
+    if prompt is None:
+        raise BadRequest("'prompt' is required: a string, a list of token ids, or a list of either",
+                         param="prompt", code="invalid_type")
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                 or all(_is_token_ids(p) for p in prompt)):
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} a request",
+                             param="prompt")
+        return list(prompt)
+    raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a non-empty list of strings or of "
+                     "token-id lists", param="prompt", code="invalid_type")
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI's completions allow 5, its chat 20)

@@ -5,7 +5,9 @@ with its choice index, and a client that leaves aborts all of them. With prefix 
 the first's prefill and take the prompt's pairs from the cache (``LLMEngine.add_request``'s ``prefix_leader``).
 ``best_of`` > ``n`` runs ``best_of`` candidates the same way (never streamed), each scoring its sampled tokens
 (``logprobs`` 0 when the client asked for none), and answers with the ``n`` of the highest mean log-probability per
-token; usage counts every candidate's tokens, as OpenAI bills them.
+token; usage counts every candidate's tokens, as OpenAI bills them. A batch of completions prompts runs each prompt's
+candidates the same way, all at once; prompt ``p``'s choices take indices ``p * n`` on, and usage counts every
+prompt's tokens once.
 """
 
 from __future__ import annotations
@@ -49,19 +51,24 @@ class ServerState:
     eos_ids: frozenset[int] = frozenset()
 
 
-def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[int]:
+def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[list[int]]:
+    """The token ids of each prompt: chat's one rendered conversation, or completions' prompt(s)."""
     if req.kind == "chat":
         try:  # templates reject some conversations (roles out of order, ...) with a ValueError
             rendered = state.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
         except ValueError as exc:
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
-        return list(rendered) if not isinstance(rendered, str) else list(state.tokenizer.encode(rendered))
-    if isinstance(req.prompt, list):
-        bad = [t for t in req.prompt if not 0 <= t < state.vocab_size]
-        if bad:
-            raise BadRequest(f"prompt token ids out of range [0, {state.vocab_size}): {bad[:5]}", param="prompt")
-        return list(req.prompt)
-    return list(state.tokenizer.encode(req.prompt))
+        return [list(rendered) if not isinstance(rendered, str) else list(state.tokenizer.encode(rendered))]
+    prompts = []
+    for prompt in req.prompts:
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < state.vocab_size]
+            if bad:
+                raise BadRequest(f"prompt token ids out of range [0, {state.vocab_size}): {bad[:5]}", param="prompt")
+            prompts.append(list(prompt))
+        else:
+            prompts.append(list(state.tokenizer.encode(prompt)))
+    return prompts
 
 
 def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
@@ -86,8 +93,10 @@ def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
 class RequestRun:
     """Timing, text and stop handling of one request as its outputs arrive."""
 
-    def __init__(self, state: ServerState, req: ParsedRequest, prompt_len: int, index: int = 0) -> None:
+    def __init__(self, state: ServerState, req: ParsedRequest, prompt_len: int, index: int = 0,
+                 prompt_index: int = 0) -> None:
         self.state, self.req, self.prompt_len, self.index = state, req, prompt_len, index
+        self.prompt_index = prompt_index  # which prompt of a batch this run continues
         self.text = TextStream(state.tokenizer, state.eos_ids)
         self.stops = StopChecker(req.stop)
         self.start = time.perf_counter()
@@ -179,33 +188,48 @@ def sse(payload: Any) -> bytes:
 
 async def handle_generation(request: web.Request, req: ParsedRequest) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    prompt_ids = prompt_ids_of(state, req)
-    params = make_params(state, req, len(prompt_ids))
+    prompts = prompt_ids_of(state, req)
+    params = [make_params(state, req, len(ids)) for ids in prompts]
     request_id = protocol.new_id(req.kind)
     state.metrics.count("requests_total")
     ranked = req.best_of > req.n
-    if ranked and getattr(params, "logprobs", 0) is None:  # score the sampled tokens only (no alternatives)
-        params = dataclasses.replace(params, logprobs=0)
-    runs = [RequestRun(state, req, len(prompt_ids), index=i) for i in range(req.best_of)]
+    if ranked and getattr(params[0], "logprobs", 0) is None:  # score the sampled tokens only (no alternatives)
+        params = [dataclasses.replace(p, logprobs=0) for p in params]
+    runs, starts = [], []  # one run per candidate, prompt by prompt; starts: its engine request's arguments
+    for p, ids in enumerate(prompts):
+        names = engine_ids(request_id, p, len(prompts), req.best_of)
+        for i, name in enumerate(names):
+            runs.append(RequestRun(state, req, len(ids), index=p * req.n + i, prompt_index=p))
+            starts.append((name, ids, choice_params(params[p], i), None if i == 0 else names[0]))
+    prompt_tokens = sum(len(ids) for ids in prompts)
     async with contextlib.AsyncExitStack() as stack:
-        ids = [request_id] if req.best_of == 1 else [f"{request_id}-{i}" for i in range(req.best_of)]
-        outputs = [await stack.enter_async_context(contextlib.aclosing(
-            state.engine.generate(choice_id, prompt_ids, choice_params(params, i), prefix_leader=None if i == 0
-                                  else ids[0]))) for i, choice_id in enumerate(ids)]
+        outputs = [await stack.enter_async_context(contextlib.aclosing(state.engine.generate(
+            name, ids, choice, prefix_leader=leader))) for name, ids, choice, leader in starts]
         try:  # add_request errors surface here, before any byte is sent; all choices start together
             firsts = await gather_or_cancel(anext(out) for out in outputs)
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc)) from exc
         if req.stream:
-            return await stream_response(request, runs, request_id, firsts, outputs)
+            return await stream_response(request, runs, request_id, firsts, outputs, prompt_tokens)
         texts = await gather_or_cancel(collect(run, first, out) for run, first, out in zip(runs, firsts, outputs))
     for run in runs:
         run.record()
-    echo = prompt_text(state, req) if req.echo else ""
-    best = best_candidates(runs, req.n) if ranked else range(req.n)
-    choices = [(echo + texts[i], runs[i].finish_reason, runs[i].take_logprobs()) for i in best]
-    body = protocol.full_body(req, request_id, choices, runs[0].prompt_len, sum(r.num_output_tokens for r in runs))
+    choices = []
+    for p in range(len(prompts)):
+        group = range(p * req.best_of, (p + 1) * req.best_of)
+        best = best_candidates([runs[k] for k in group], req.n) if ranked else range(req.n)
+        echo = prompt_text(state, req, p) if req.echo else ""
+        choices += [(echo + texts[group[i]], runs[group[i]].finish_reason, runs[group[i]].take_logprobs())
+                    for i in best]
+    body = protocol.full_body(req, request_id, choices, prompt_tokens, sum(r.num_output_tokens for r in runs))
     return web.json_response(body)
+
+
+def engine_ids(request_id: str, prompt_index: int, num_prompts: int, count: int) -> list[str]:
+    """The engine request ids of one prompt's ``count`` candidates: the response id itself for a lone one."""
+    if num_prompts == 1:
+        return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
+    return [f"{request_id}-{prompt_index}-{i}" for i in range(count)]
 
 
 def best_candidates(runs: list[RequestRun], n: int) -> list[int]:
@@ -241,12 +265,13 @@ async def collect(run: RequestRun, output: Any, outputs: Any) -> str:
         output = await anext(outputs)
 
 
-def prompt_text(state: ServerState, req: ParsedRequest) -> str:
-    return req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(list(req.prompt or []))
+def prompt_text(state: ServerState, req: ParsedRequest, index: int = 0) -> str:
+    prompt = req.prompts[index]
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(list(prompt))
 
 
 async def stream_response(request: web.Request, runs: list[RequestRun], request_id: str, firsts: list[Any],
-                          outputs: list[Any]) -> web.StreamResponse:
+                          outputs: list[Any], prompt_tokens: int) -> web.StreamResponse:
     req, state = runs[0].req, runs[0].state
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -257,7 +282,8 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
                                                          index=run.index)))
         elif req.echo:
             run.take_prompt(first)  # the first output carries the prompt's logprobs: they go with the prompt's text
-            await response.write(sse(protocol.chunk_body(req, request_id, created, prompt_text(state, req), None,
+            await response.write(sse(protocol.chunk_body(req, request_id, created,
+                                                         prompt_text(state, req, run.prompt_index), None,
                                                          logprobs=run.take_logprobs(), index=run.index)))
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(pump(i, first, out, queue)) for i, (first, out) in enumerate(zip(firsts, outputs))]
@@ -271,11 +297,11 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
             text = run.feed(output)
             if text:
                 await response.write(sse(protocol.chunk_body(req, request_id, created, text, None,
-                                                             logprobs=run.take_logprobs(), index=i)))
+                                                             logprobs=run.take_logprobs(), index=run.index)))
             if run.finish_reason is not None:
                 remaining -= 1
                 await response.write(sse(protocol.chunk_body(req, request_id, created, None, run.finish_reason,
-                                                             logprobs=run.take_logprobs(), index=i)))
+                                                             logprobs=run.take_logprobs(), index=run.index)))
     except EngineStepFailed as exc:
         state.metrics.count("requests_failed_total")
         await response.write(sse(error_body(str(exc), "internal_server_error")))
@@ -289,7 +315,7 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
     if req.include_usage:
-        await response.write(sse(protocol.usage_chunk(req, request_id, created, runs[0].prompt_len,
+        await response.write(sse(protocol.usage_chunk(req, request_id, created, prompt_tokens,
                                                       sum(r.num_output_tokens for r in runs))))
     await response.write(b"data: [DONE]\n\n")
     for run in runs:
