@@ -8,6 +8,7 @@
 # Session 11, call 1 (RUNS="dps:14,16,18:390"): dps 14.0 / 100 / 100 % at 14 / 16 / 18 req/s, static-fp16 100 % at 10;
 # the 14 point was the step budget's lock (packages/control/src/elastiserve/control/step_budget.py), since fixed.
 # Session 12 ran it four times (BENCHMARKS.md, "Session 12").
+# Session 13 ran it three times: 512 slots, combined at 24 req/s, 3,072-token chunks (BENCHMARKS.md, "Session 13").
 source ci/gpu/bootstrap.sh
 set +e
 start_round

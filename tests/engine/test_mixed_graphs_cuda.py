@@ -57,3 +57,30 @@ def test_mixed_graph_replays_equal_the_eager_steps(device, moe):
     assert [len(r.token_ids) for r in results] == [12] * 4
     assert checked and mixed_keys and all(key[0].tokens >= 256 for key in mixed_keys)
     assert all(isinstance(shape, StepShape) and shape.batch >= 16 for shape in checked)
+
+
+def test_the_step_budget_is_primed_at_start_up_through_the_mixed_graphs(device):
+    """With a step-time bound a GPU engine times probe steps after warm-up (``step_probe``) in both whole-model modes
+    of dps, through the captured mixed-step graphs, writing nothing into the KV cache; then it serves."""
+    from elastiserve.engine.step_probe import probe_token_counts
+
+    model = random_fp16_model(small_moe_config(2, 512), device=str(device))
+    config = EngineConfig(model="tiny", device="cuda", policy="dps", block_size=16, max_num_seqs=16,
+                          max_num_batched_tokens=300, max_model_len=512, kv_cache_budget=16 << 20,
+                          mixed_graphs=True, max_step_time_s=0.5)  # fmt: skip
+    engine = LLMEngine(config, model=model, eos_token_ids=())
+    try:
+        primed = engine.step_budget._priors
+        sizes = [t for t in probe_token_counts(300) for _ in range(2)]
+        assert sorted(primed) == [0, 2] and all([t for t, _ in primed[m]] == sizes for m in primed)
+        assert all(0 < seconds < 0.5 for m in primed for _, seconds in primed[m])
+        assert engine.runner.fast_layers == frozenset()
+        kv_before = engine.runner.kv_cache.clone()
+        engine.prime_step_budget()
+        torch.cuda.synchronize()
+        assert engine.runner.kv_cache.equal(kv_before)
+        prompts = [[(7 * i + start) % 97 for i in range(n)] for start, n in ((1, 39), (3, 257))]
+        results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        engine.close()
+    assert [len(r.token_ids) for r in results] == [6, 6]
