@@ -13,6 +13,8 @@ import torch
 from elastiserve.engine.sampler import (
     PenaltyHistory,
     Sampler,
+    apply_logit_bias,
+    apply_min_p,
     apply_penalties,
     apply_top_k,
     apply_top_p,
@@ -28,6 +30,8 @@ class Params:  # the fields of SamplingParams the sampler reads
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple = ()
 
 
 def random_logits(rows: int, vocab: int, seed: int, device, scale: float = 3.0) -> torch.Tensor:
@@ -58,6 +62,34 @@ def test_top_p_keeps_smallest_prefix_reaching_p(device):
     for p, expected in cases.items():
         masked = apply_top_p(logits, torch.tensor([p], device=device))
         assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == expected, p
+
+
+def test_min_p_keeps_tokens_at_least_min_p_of_the_most_likely(device):
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3], [0.25, 0.25, 0.25, 0.25]], device=device)
+    cases = {0.0: [[0, 1, 2, 3], [0, 1, 2, 3]], 0.2: [[1, 2, 3], [0, 1, 2, 3]], 0.5: [[1, 3], [0, 1, 2, 3]],
+             1.0: [[1], [0, 1, 2, 3]]}
+    for p, expected in cases.items():
+        masked = apply_min_p(probs.log(), torch.tensor([p, p], device=device))
+        assert [torch.isfinite(row).nonzero().flatten().tolist() for row in masked] == expected, p
+    logits = random_logits(64, 97, 5, device)
+    params = [Params(min_p=0.3)] * 64
+    tokens = Sampler()(logits, params)
+    probs = torch.softmax(logits, dim=-1)
+    chosen = probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    assert bool((chosen >= 0.3 * probs.max(dim=-1).values * (1 - 1e-5)).all())
+
+
+def test_logit_bias_is_added_before_greedy_and_sampling(device):
+    logits = random_logits(3, 50, 6, device)
+    biased = apply_logit_bias(logits, [((4, 100.0), (4, -1.5)), (), ((0, -100.0), (7, 2.5))])
+    expected = logits.clone()
+    expected[0, 4] += 98.5  # repeated ids accumulate
+    expected[2, 0] -= 100.0
+    expected[2, 7] += 2.5
+    torch.testing.assert_close(biased, expected)
+    forced = Sampler()(logits, [Params(temperature=0.0, logit_bias=((13, 100.0),)), Params(logit_bias=((21, 100.0),)),
+                                Params(temperature=0.0)])
+    assert forced.tolist()[:2] == [13, 21] and forced[2] == logits[2].argmax()
 
 
 def test_samples_stay_inside_top_k_and_top_p(device):

@@ -271,6 +271,26 @@ def test_bad_prompt_batches_get_400(fake_served, prompt, message):
     assert status == 400 and "1024" in payload["error"]["message"]
 
 
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)  # the fake engine has no sampler
+def test_logit_bias_and_min_p_reach_the_sampler(served):
+    """OpenAI's ``logit_bias`` (+100 on one token makes greedy pick it every time, -100 bans the token greedy picked)
+    and vLLM's ``min_p`` (1.0 keeps only the most likely token, so sampling equals greedy)."""
+    tokenizer = served.engine.tokenizer
+    forced = tokenizer.encode(" banana")[-1]
+    args = dict(model=MODEL, prompt="The capital of France is", max_tokens=4, logprobs=0)
+    plain = {"ignore_eos": True}
+    out = served.client.completions.create(**args, temperature=0.0, logit_bias={str(forced): 100}, extra_body=plain)
+    assert [tokenizer.encode(t)[-1] for t in out.choices[0].logprobs.tokens] == [forced] * 4
+    greedy = served.client.completions.create(**args, temperature=0.0, extra_body=plain).choices[0]
+    first = tokenizer.encode(greedy.logprobs.tokens[0])[-1]
+    banned = served.client.completions.create(**args, temperature=0.0, logit_bias={str(first): -100},
+                                              extra_body=plain).choices[0]
+    assert banned.logprobs.tokens[0] != greedy.logprobs.tokens[0]
+    sampled = served.client.completions.create(**args, temperature=1.5, seed=3,
+                                               extra_body={"ignore_eos": True, "min_p": 1.0}).choices[0]
+    assert sampled.text == greedy.text
+
+
 def test_chat_stream_and_non_stream(served):
     messages = [{"role": "user", "content": "Say hello."}]
     full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)
@@ -297,6 +317,11 @@ def test_chat_stream_and_non_stream(served):
         ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
         ({"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+        ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, None),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"3": "up"}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"3": 101}}, None),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, None),
         ({"model": MODEL, "prompt": "hi", "best_of": 65}, "best_of"),
         ({"model": MODEL, "prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
         ({"model": MODEL, "prompt": "hi", "best_of": 2, "temperature": 0.0}, "best_of"),

@@ -91,7 +91,7 @@ def _parse_stop(body: dict) -> tuple[str, ...]:
 
 def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = _number(body, name)
         if value is not None:
             sampling[name] = value
@@ -106,6 +106,9 @@ def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, 
                 raise BadRequest(f"'{name}' must be at least 1, got {value}", param=name)
             sampling["max_tokens"] = value
             break
+    bias = _check_type(body, "logit_bias", (dict,), "an object")
+    if bias:
+        sampling["logit_bias"] = _parse_logit_bias(bias)
     ignore_eos = _check_type(body, "ignore_eos", (bool,), "a boolean")
     if ignore_eos is not None:
         sampling["ignore_eos"] = ignore_eos
@@ -116,6 +119,23 @@ def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, 
                              code="invalid_type")
         sampling["stop_token_ids"] = tuple(stop_ids)
     return sampling
+
+
+def _parse_logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) to numbers; the range checks against the
+    vocabulary are ``SamplingParams.validate``'s."""
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias",
+                             code="invalid_type") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequest(f"'logit_bias' values must be numbers, got {value!r}", param="logit_bias",
+                             code="invalid_type")
+        pairs.append((token, float(value)))
+    return tuple(pairs)
 
 
 MAX_N = 64  # choices per request

@@ -1,11 +1,13 @@
-"""Token sampling: penalties, greedy, temperature, top-k, top-p, and per-request seeds.
+"""Token sampling: penalties, logit bias, greedy, temperature, min-p, top-k, top-p, and per-request seeds.
 
 Penalties apply to the logits first, greedy rows included, with vLLM's semantics: ``repetition_penalty`` (HF's
 CTRL-style rule: a positive logit divided by it, a negative one multiplied) over the prompt and generated tokens;
 OpenAI's ``frequency_penalty`` (times the count) and ``presence_penalty`` (once) over the generated tokens only.
 
-Rows with temperature 0 take the argmax. The others are scaled, masked by top-k then top-p (both computed on the
-temperature-scaled distribution, the order vLLM and HF use), and drawn with the exponential-race trick
+OpenAI's ``logit_bias`` is added next, before the argmax, so it steers greedy rows too. Rows with temperature 0 take
+the argmax. The others are scaled, masked by min-p (vLLM's: tokens less likely than min_p x the most likely one),
+then top-k, then top-p (all on the temperature-scaled distribution, the order vLLM uses), and drawn with the
+exponential-race trick
 (argmax of p / Exp(1) noise), which samples from p exactly and needs one random draw per vocabulary entry.
 A row whose params carry a seed draws its noise from its own torch.Generator, so its tokens do not depend on what
 else is in the batch.
@@ -142,6 +144,8 @@ class Sampler:
             generated, in_prompt = self.penalty_counts.gather([histories[i] for i in rows], with_prompt,
                                                               logits.shape[-1], logits.device)
             logits = penalize(logits, params, rows, generated, in_prompt)
+        if any(getattr(p, "logit_bias", ()) for p in params):
+            logits = apply_logit_bias(logits, [getattr(p, "logit_bias", ()) for p in params])
         greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if not random_rows:
@@ -152,6 +156,7 @@ class Sampler:
             temperatures=[params[i].temperature for i in random_rows],
             top_ks=[params[i].top_k for i in random_rows],
             top_ps=[params[i].top_p for i in random_rows],
+            min_ps=[getattr(params[i], "min_p", 0.0) for i in random_rows],
         )
         noise = _exponential_noise(probs, [_generator_for(generators, i) for i in random_rows])
         greedy_ids[rows] = (probs / noise).argmax(dim=-1)
@@ -202,18 +207,40 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torc
     return counts[:, :vocab]
 
 
+def apply_logit_bias(logits: torch.Tensor, biases: Sequence[Sequence[tuple[int, float]]]) -> torch.Tensor:
+    """A copy of ``logits`` with each row's (token id, bias) pairs added (one scatter for the batch)."""
+    rows = [row for row, bias in enumerate(biases) for _ in bias]
+    ids = [token for bias in biases for token, _ in bias]
+    values = [value for bias in biases for _, value in bias]
+    out = logits.clone()
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
+    out.index_put_(index, torch.tensor(values, dtype=out.dtype, device=logits.device), accumulate=True)
+    return out
+
+
 def sampling_probs(
-    logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float]
+    logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
+    min_ps: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """The distribution each row samples from: softmax(logits / T) restricted to top-k, then top-p, renormalised."""
+    """The distribution each row samples from: softmax(logits / T) restricted by min-p, top-k, then top-p,
+    renormalised."""
     device = logits.device
     scaled = logits / torch.tensor(temperatures, dtype=torch.float32, device=device).unsqueeze(1)
+    if min_ps is not None and any(p > 0.0 for p in min_ps):
+        scaled = apply_min_p(scaled, torch.tensor(min_ps, dtype=torch.float32, device=device))
     # Each mask sorts the whole vocabulary; skip it when no row asks for it (the common decode case).
     if any(0 < k < logits.shape[-1] for k in top_ks):
         scaled = apply_top_k(scaled, torch.tensor(top_ks, device=device))
     if any(p < 1.0 for p in top_ps):
         scaled = apply_top_p(scaled, torch.tensor(top_ps, dtype=torch.float32, device=device))
     return torch.softmax(scaled, dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop each row's tokens whose probability is below min_p x its most likely token's (min_p 0: keep all). In
+    logits: p_i / p_max = exp(l_i - l_max), so no softmax is needed."""
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p).unsqueeze(1)  # log 0 = -inf keeps all
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_k: int = -1  # -1: all tokens
     top_p: float = 1.0
+    min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p x the most likely one (0: off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -22,6 +23,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: minus this from the logit of every token already generated
     frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token was generated
     repetition_penalty: float = 1.0  # HF / vLLM: logits of prompt and generated tokens divided (> 0) or multiplied
+    # OpenAI's logit_bias as (token id, bias) pairs: added to the logits before greedy or sampling
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Lists from JSON bodies become tuples so the params stay hashable and immutable.
@@ -29,6 +32,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +51,12 @@ class SamplingParams:
             raise InvalidRequest(f"top_k={self.top_k} must be -1 (disabled) or >= 1")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p={self.min_p} must be in [0, 1]")
+        bad_bias = [(t, b) for t, b in self.logit_bias if not 0 <= t < vocab_size or not -100.0 <= b <= 100.0]
+        if bad_bias:
+            raise InvalidRequest(f"logit_bias {bad_bias[:5]}: token ids must be in [0, {vocab_size}) and biases in "
+                                 "[-100, 100]")
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
             raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1 (0 only scores the prompt, with "
                                  "prompt_logprobs)")
