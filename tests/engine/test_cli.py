@@ -203,7 +203,8 @@ def test_generate_writes_jsonl(tmp_path, monkeypatch):
 def test_generate_on_smollm2(tmp_path):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text(json.dumps({"prompt": "The capital of France is"}) + "\n"
-                       + json.dumps({"prompt": "one one one one", "logprobs": 2, "repetition_penalty": 1.5}) + "\n")
+                       + json.dumps({"prompt": "one one one one", "logprobs": 2, "repetition_penalty": 1.5}) + "\n"
+                       + json.dumps({"prompt": "The capital of France is", "logit_bias": {"42": 100}}) + "\n")
     out = tmp_path / "o.jsonl"
     assert (
         cli.main(
@@ -224,7 +225,8 @@ def test_generate_on_smollm2(tmp_path):
         )
         == 0
     )
-    row, scored = [json.loads(line) for line in out.read_text().splitlines()]
+    row, scored, biased = [json.loads(line) for line in out.read_text().splitlines()]
+    assert biased["token_ids"] == [42] * 4  # greedy with +100 on one token (the file's own logit_bias)
     assert len(row["token_ids"]) == 4 and "Paris" in row["text"] and "logprobs" not in row
     assert [entry[0] for entry in scored["logprobs"]] == scored["token_ids"]  # a line's own sampling fields apply
     assert all(entry[1] <= 0 and len(entry[2]) == 2 for entry in scored["logprobs"])
