@@ -92,6 +92,15 @@ def test_logit_bias_is_added_before_greedy_and_sampling(device):
     assert forced.tolist()[:2] == [13, 21] and forced[2] == logits[2].argmax()
 
 
+def test_banned_tokens_are_never_picked(device):
+    logits = random_logits(3, 40, 8, device)
+    top = logits.argmax(-1).tolist()
+    params = [Params(temperature=0.0), Params(temperature=0.0), Params(temperature=1.0, min_p=1.0)]
+    tokens = Sampler()(logits, params, bans=[(top[0],), (), (top[2], 1)]).tolist()
+    assert tokens[0] == logits[0].topk(2).indices[1] and tokens[1] == top[1]
+    assert tokens[2] not in (top[2], 1)  # min_p 1 keeps the most likely token the ban left
+
+
 def test_samples_stay_inside_top_k_and_top_p(device):
     logits = random_logits(1, 64, 2, device, scale=1.0).expand(4000, 64).contiguous()
     top_k_tokens = Sampler()(logits, [Params(temperature=1.5, top_k=3)] * 4000)

@@ -163,3 +163,49 @@ def test_prompt_rows_skip_what_an_earlier_pass_scored():
     assert inputs.prompt_rows == [(1, 5 + 6, prompt[7:12], 1)]
     seq.prompt_logprobs += [TokenLogprob(t, -1.0) for t in prompt[7:]]
     assert gather_step_inputs(batch, kv).prompt_rows == []  # all scored
+
+
+def test_min_tokens_keeps_eos_and_stop_tokens_out_until_reached():
+    """vLLM's ``min_tokens``: with EOS set to the token greedy picks first, a plain request stops at once; with
+    min_tokens 4 the first four tokens are the greedy tokens with EOS and the stop tokens banned, and the request
+    may stop from the fifth on. ``ignore_eos`` drops EOS from the ban; min_tokens over max_tokens is refused."""
+    from elastiserve.engine.errors import InvalidRequest
+
+    model = random_fp16_model(small_llama_config(2, 128), scale=0.2)
+    config = EngineConfig(model="tiny", device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                          cpu_kv_blocks=128)
+    probe = LLMEngine(config, model=model, eos_token_ids=())
+    try:
+        free = probe.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
+    finally:
+        probe.close()
+    eos = free[0]
+    stop = next(t for t in free if t != eos)  # a stop token greedy meets later without the ban
+    engine = LLMEngine(config, model=model, eos_token_ids=(eos,))
+    try:
+        plain = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))[0]
+        assert plain.token_ids == [eos] and plain.finish_reason == "stop"
+        engine.add_request("min", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4,
+                                                         stop_token_ids=(stop,)))
+        seq = engine.scheduler.find("min")
+        assert set(seq.banned_before_min) == {eos, stop}
+        while engine.has_unfinished():
+            engine.step()
+        tokens = seq.output_token_ids
+        assert len(tokens) >= 4 and not {eos, stop} & set(tokens[:4])
+        assert seq.finish_reason == "length" or tokens[-1] in (eos, stop)
+        for k, token in enumerate(tokens[:4]):  # each is the argmax with the two banned
+            ids = PROMPT + tokens[:k]
+            with torch.no_grad():
+                hidden = model(torch.tensor(ids), positions_for([len(ids)]), DenseAttentionContext([len(ids)]))
+                logits = model.compute_logits(hidden[-1:]).float()[0]
+            logits[[eos, stop]] = float("-inf")
+            assert token == int(logits.argmax())
+        engine.add_request("kept", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2,
+                                                          ignore_eos=True))
+        assert engine.scheduler.find("kept").banned_before_min == ()
+        engine.abort_request("kept")
+        with pytest.raises(InvalidRequest, match="min_tokens"):
+            engine.add_request("bad", PROMPT, SamplingParams(max_tokens=2, min_tokens=3))
+    finally:
+        engine.close()

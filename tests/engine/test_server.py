@@ -318,6 +318,7 @@ def test_chat_stream_and_non_stream(served):
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
         ({"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
         ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, None),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, None),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"3": "up"}}, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"3": 101}}, None),
@@ -420,6 +421,12 @@ def test_stop_strings_and_multibyte_streaming(fake_served):
         out = client.completions.create(model=MODEL, prompt="x", max_tokens=200, stop=["☃ and", "zzz"], stream=stream)
         text = out.choices[0].text if not stream else "".join(c.choices[0].text for c in out)
         assert text == SCRIPT[: SCRIPT.index("☃ and")]
+    past = len(SCRIPT[: SCRIPT.index("☃ and") + 5].encode())  # bytes (the fake's tokens) through the stop string
+    for stream in (False, True):  # min_tokens past the stop string: it does not count (vLLM's rule)
+        out = client.completions.create(model=MODEL, prompt="x", max_tokens=200, stop=["☃ and"], stream=stream,
+                                        extra_body={"min_tokens": past})
+        text = out.choices[0].text if not stream else "".join(c.choices[0].text for c in out)
+        assert text == SCRIPT
     assert fake_served.wait_idle()
 
 

@@ -310,7 +310,8 @@ def test_workers_get_the_forward_inputs_only_and_sampling_still_equals_tp1(llama
     got = sample_everything(engine)
     runs = [plan.args[0] for plan in plans if plan.method == "run"]
     assert len(runs) >= 8 and all(run.tokens for run in runs)
-    assert not any(run.sample_params or run.request_ids or run.sample_histories or run.prompt_rows for run in runs)
+    assert not any(run.sample_params or run.request_ids or run.sample_histories or run.sample_bans or run.prompt_rows
+                   for run in runs)
     assert [tokens for tokens, _, _ in got] == [tokens for tokens, _, _ in expected]
     for (_, logprobs, prompt), (_, want_logprobs, want_prompt) in zip(got, expected):
         assert len(logprobs) == 8 and len(prompt) > 0

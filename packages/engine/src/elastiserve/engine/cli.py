@@ -146,9 +146,10 @@ def _line_prompt(engine: Any, record: dict[str, Any], lineno: int) -> list[int]:
     raise ConfigError(f"line {lineno}: expected 'prompt', 'messages' or 'prompt_token_ids'")
 
 
-GENERATE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "logprobs")  # SamplingParams fields a line may set (logit_bias: {"token id": bias})
+# SamplingParams fields a line may set (logit_bias: {"token id": bias})
+GENERATE_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "logit_bias", "logprobs")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -166,6 +166,9 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids {bad[:4]} are outside the vocabulary")
         metrics = SequenceMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, metrics)
+        if params.min_tokens:
+            eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
+            seq.banned_before_min = tuple(dict.fromkeys(params.stop_token_ids + eos))
         if params.prompt_logprobs is not None:  # nothing predicts the first token
             seq.prompt_logprobs = [TokenLogprob(seq.token_ids[0], None)]
         elif self.kv.prefix_cache is not None and prefix_leader is not None and self.scheduler.find(prefix_leader):
@@ -284,6 +287,8 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         params, token = seq.params, seq.token_ids[-1]
+        if seq.num_output_tokens < params.min_tokens:  # max_tokens >= min_tokens: no length stop either
+            return "length" if seq.num_tokens >= self.max_model_len else None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if params.stop and self.tokenizer is not None:

@@ -95,7 +95,7 @@ def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, 
         value = _number(body, name)
         if value is not None:
             sampling[name] = value
-    for name in ("top_k", "seed"):
+    for name in ("top_k", "seed", "min_tokens"):
         value = _integer(body, name)
         if value is not None:
             sampling[name] = value

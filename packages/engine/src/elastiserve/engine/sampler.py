@@ -126,13 +126,15 @@ class Sampler:
         params: Sequence,
         generators: Mapping[int, torch.Generator] | Sequence[torch.Generator | None] | None = None,
         histories: Sequence[PenaltyHistory | None] | None = None,
+        bans: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """logits[B, V] fp32, one SamplingParams-like object per row (temperature, top_k, top_p, and the penalties
         when ``histories`` is given).
 
         ``generators``: row index -> torch.Generator on logits' device for seeded rows (a list with None for unseeded
         rows also works). ``histories``: per row, a ``PenaltyHistory`` for the rows to penalise, None for the
-        others (their counts persist in ``penalty_counts`` until ``release``). Returns token ids [B] int64 on
+        others (their counts persist in ``penalty_counts`` until ``release``). ``bans``: per row, token ids it may
+        not pick (a request below its ``min_tokens``: EOS and its stop tokens). Returns token ids [B] int64 on
         logits' device.
         """
         if logits.dim() != 2 or logits.shape[0] != len(params):
@@ -144,8 +146,11 @@ class Sampler:
             generated, in_prompt = self.penalty_counts.gather([histories[i] for i in rows], with_prompt,
                                                               logits.shape[-1], logits.device)
             logits = penalize(logits, params, rows, generated, in_prompt)
-        if any(getattr(p, "logit_bias", ()) for p in params):
-            logits = apply_logit_bias(logits, [getattr(p, "logit_bias", ()) for p in params])
+        biases = [getattr(p, "logit_bias", ()) for p in params]
+        if bans is not None and any(bans):
+            biases = [(*bias, *((t, float("-inf")) for t in banned)) for bias, banned in zip(biases, bans)]
+        if any(biases):
+            logits = apply_logit_bias(logits, biases)
         greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if not random_rows:

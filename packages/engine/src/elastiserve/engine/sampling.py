@@ -17,6 +17,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the request before this many tokens
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob given the ones before it, and N more
@@ -60,6 +61,8 @@ class SamplingParams:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
             raise InvalidRequest(f"max_tokens={self.max_tokens} must be >= 1 (0 only scores the prompt, with "
                                  "prompt_logprobs)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens={self.min_tokens} must be between 0 and max_tokens ({self.max_tokens})")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise InvalidRequest(f"prompt_logprobs={self.prompt_logprobs} must be between 0 and 20")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -53,6 +53,8 @@ class Sequence:
     # a request with the same prompt (a sibling of n choices): admitted once that one's prefill is done, so the
     # prefix cache holds the prompt's pairs by then (Scheduler.held_for_leader)
     prefix_leader: str | None = None
+    # the tokens the sampler may not pick while fewer than params.min_tokens are generated (EOS and stop tokens)
+    banned_before_min: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

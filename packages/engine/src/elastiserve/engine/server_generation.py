@@ -129,6 +129,8 @@ class RequestRun:
         if self.queue_s is None:
             self.queue_s = queue_time(getattr(output, "metrics", None))
         delta = self.text.add(new_ids, final=bool(output.finished))
+        if self.num_output_tokens < self.req.sampling.get("min_tokens", 0) and not output.finished:
+            return delta  # vLLM's min_tokens: no stop string counts before it (the engine ignores them too)
         text, stopped = self.stops.feed(delta, final=bool(output.finished))
         if stopped:
             self.finish_reason = "stop"

@@ -37,6 +37,8 @@ class StepInputs:
     request_ids: list[str] = field(default_factory=list)
     # the tokens of sampling sequences whose params have penalties (by reference); None for the others
     sample_histories: list[PenaltyHistory | None] = field(default_factory=list)
+    # per sampling sequence: token ids it may not pick this step (EOS and stop tokens before min_tokens)
+    sample_bans: list[tuple[int, ...]] = field(default_factory=list)
     # (sequence, its first row in this step, the prompt tokens those rows predict, alternatives) for sequences that
     # asked for prompt logprobs and have prompt tokens left to score
     prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
@@ -77,6 +79,8 @@ def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
             inputs.sample_histories.append(
                 PenaltyHistory(seq.request_id, seq.token_ids, seq.num_prompt_tokens, seq.output_token_ids)
                 if seq.params.has_penalties else None)
+            inputs.sample_bans.append(seq.banned_before_min if seq.num_output_tokens < seq.params.min_tokens
+                                      else ())
     return inputs
 
 
@@ -86,7 +90,8 @@ def forward_inputs(inputs: StepInputs) -> StepInputs:
     and a request scoring its prompt carries the prompt's tokens. With 64 penalised decode rows of 4,000-token
     prompts and 500 outputs, the step's pickled plan is 1.02 MB and takes 7.6 ms to pickle on this project's CPU;
     without those fields 55 KB and 0.5 ms."""
-    return dataclasses.replace(inputs, sample_params=[], request_ids=[], sample_histories=[], prompt_rows=[])
+    return dataclasses.replace(inputs, sample_params=[], request_ids=[], sample_histories=[], sample_bans=[],
+                               prompt_rows=[])
 
 
 class InputBuffers:
