@@ -291,6 +291,25 @@ def test_logit_bias_and_min_p_reach_the_sampler(served):
     assert sampled.text == greedy.text
 
 
+def test_tokenize_and_detokenize(served):
+    """vLLM's /tokenize (a prompt, or chat messages through the template) and /detokenize, with 400s."""
+    tokenizer = served.engine.tokenizer
+    status, body = post_raw(served.url, "/tokenize", json.dumps({"model": MODEL, "prompt": "Hello world"}).encode())
+    assert status == 200 and body["tokens"] == list(tokenizer.encode("Hello world"))
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    messages = [{"role": "user", "content": "Hi"}]
+    status, chat = post_raw(served.url, "/tokenize", json.dumps({"messages": messages}).encode())
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert status == 200 and chat["tokens"] == (list(tokenizer.encode(rendered)) if isinstance(rendered, str)
+                                                else list(rendered))
+    status, text = post_raw(served.url, "/detokenize", json.dumps({"tokens": body["tokens"]}).encode())
+    assert status == 200 and text["prompt"] == tokenizer.decode(body["tokens"])
+    for path, bad, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"model": "x", "prompt": "a"},
+                             "model"), ("/detokenize", {"tokens": [1, -1]}, "tokens"), ("/detokenize", {}, "tokens")):
+        status, payload = post_raw(served.url, path, json.dumps(bad).encode())
+        assert status == 400 and payload["error"]["param"] == param, (path, bad)
+
+
 def test_chat_stream_and_non_stream(served):
     messages = [{"role": "user", "content": "Say hello."}]
     full = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0)

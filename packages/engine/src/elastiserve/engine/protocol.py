@@ -281,6 +281,37 @@ def parse_chat(body: Any) -> ParsedRequest:
                          sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of)
 
 
+def parse_tokenize(body: Any) -> ParsedRequest:
+    """vLLM's ``/tokenize``: a completions ``prompt`` (one string) or chat ``messages``; ``model`` optional."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model", code="invalid_type")
+    if "messages" in body:
+        return ParsedRequest("chat", model or "", messages=_parse_messages(body))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt", code="invalid_type")
+    return ParsedRequest("completion", model or "", prompts=[prompt])
+
+
+def parse_detokenize(body: Any, vocab_size: int) -> tuple[str, list[int]]:
+    """vLLM's ``/detokenize``: ``tokens``, a list of ids in the vocabulary; ``model`` optional."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model", code="invalid_type")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadRequest("'tokens' must be a list of token ids", param="tokens", code="invalid_type")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"token ids out of range [0, {vocab_size}): {bad[:5]}", param="tokens")
+    return model or "", tokens
+
+
 def new_id(kind: str) -> str:
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -370,28 +401,3 @@ def eos_token_ids(tokenizer: Any, engine: Any = None) -> frozenset[int]:
             if value is not None:
                 return frozenset([value] if isinstance(value, int) else value)
     return frozenset()
-
-
-class TextStream:
-    """Incremental detokenization with only ``tokenizer.decode``: text is cut where a multi-byte character is whole.
-
-    Each call decodes a short window (the previous token run plus the new tokens) so the cost stays linear and
-    tokenizers that treat the first token of a string specially (leading spaces) still give the right delta.
-    """
-
-    def __init__(self, tokenizer: Any, eos_ids: frozenset[int] = frozenset()) -> None:
-        self.tokenizer, self.eos_ids = tokenizer, eos_ids
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    def add(self, new_ids: list[int], final: bool = False) -> str:
-        self.ids.extend(t for t in new_ids if t not in self.eos_ids)
-        if len(self.ids) == self.read_offset:
-            return ""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if new_text.endswith("\ufffd") and not final:
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new_text[len(prefix_text):]

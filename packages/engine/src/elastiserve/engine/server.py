@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (aiohttp) over an `AsyncEngine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as server-sent events, or one JSON body;
-both with ``usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an API key, ``/v1/*`` needs
+both with ``usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's ``POST /tokenize`` and
+``POST /detokenize``. With an API key, ``/v1/*`` needs
 ``Authorization: Bearer <key>`` (401 otherwise). User mistakes get HTTP 400 with an OpenAI error body; an engine
 failure fails only the affected requests (500, or an error event once a stream has started).
 """
@@ -23,7 +24,13 @@ from aiohttp import web
 from elastiserve.engine import protocol
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
 from elastiserve.engine.protocol import BadRequest, eos_token_ids, error_body
-from elastiserve.engine.server_generation import STATE_KEY, ServerState, default_params_factory, handle_generation
+from elastiserve.engine.server_generation import (
+    STATE_KEY,
+    ServerState,
+    default_params_factory,
+    handle_generation,
+    prompt_ids_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,28 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await handle_generation(request, protocol.parse_chat(await read_json(request)))
 
 
+def check_model(state: Any, model: str) -> None:
+    """An optional ``model`` field (tokenize, detokenize) must name the served model when given."""
+    if model and model != state.model_name:
+        raise BadRequest(f"model {model!r} does not exist; this server serves {state.model_name!r}", param="model",
+                         code="model_not_found")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    req = protocol.parse_tokenize(await read_json(request))
+    check_model(state, req.model)
+    tokens = prompt_ids_of(state, req)[0]
+    return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    model, tokens = protocol.parse_detokenize(await read_json(request), state.vocab_size)
+    check_model(state, model)
+    return web.json_response({"prompt": state.tokenizer.decode(tokens)})
+
+
 async def models(request: web.Request) -> web.Response:
     return web.json_response(protocol.models_body([request.app[STATE_KEY].model_name]))
 
@@ -114,6 +143,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str, api_key: 
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)  # vLLM's, outside /v1 as there
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -26,8 +26,8 @@ from aiohttp import web
 from elastiserve.engine import protocol
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
 from elastiserve.engine.metrics_prom import ServerMetrics
-from elastiserve.engine.protocol import BadRequest, ParsedRequest, TextStream, error_body
-from elastiserve.engine.tokenizer import StopChecker
+from elastiserve.engine.protocol import BadRequest, ParsedRequest, error_body
+from elastiserve.engine.tokenizer import StopChecker, TextStream
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("elastiserve_state")
 

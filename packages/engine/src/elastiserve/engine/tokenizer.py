@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -188,3 +189,28 @@ def _token_text(token: str | dict | None) -> str | None:
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class TextStream:
+    """Incremental detokenization with only ``tokenizer.decode``: text is cut where a multi-byte character is whole.
+
+    Each call decodes a short window (the previous token run plus the new tokens) so the cost stays linear and
+    tokenizers that treat the first token of a string specially (leading spaces) still give the right delta.
+    """
+
+    def __init__(self, tokenizer: Any, eos_ids: frozenset[int] = frozenset()) -> None:
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(t for t in new_ids if t not in self.eos_ids)
+        if len(self.ids) == self.read_offset:
+            return ""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if new_text.endswith("\ufffd") and not final:
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text):]
