@@ -201,7 +201,8 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
     for p, ids in enumerate(prompts):
         names = engine_ids(request_id, p, len(prompts), req.best_of)
         for i, name in enumerate(names):
-            runs.append(RequestRun(state, req, len(ids), index=p * req.n + i, prompt_index=p))
+            # the candidate's number, which is its choice index wherever nothing is ranked (every stream)
+            runs.append(RequestRun(state, req, len(ids), index=p * req.best_of + i, prompt_index=p))
             starts.append((name, ids, choice_params(params[p], i), None if i == 0 else names[0]))
     prompt_tokens = sum(len(ids) for ids in prompts)
     async with contextlib.AsyncExitStack() as stack:
