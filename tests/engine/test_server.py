@@ -257,6 +257,24 @@ def test_a_batch_of_prompts_gives_each_its_choices(served):
     assert served.wait_idle()
 
 
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)  # the fake engine has no sampler
+def test_best_of_ranks_each_prompt_of_a_batch_apart(served):
+    """best_of 3, n 1 over two prompts: each prompt's choice is the best of its own three candidates."""
+    prompts = ["Once upon a time", "The weather today"]
+    args = dict(model=MODEL, max_tokens=5, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    best_texts, best_index = [], []
+    for prompt in prompts:
+        every = served.client.completions.create(prompt=prompt, n=3, logprobs=0, **args).choices
+        means = [sum(c.logprobs.token_logprobs) / 5 for c in every]
+        best_index.append(max(range(3), key=lambda i: (means[i], -i)))
+        best_texts.append(every[best_index[-1]].text)
+    assert best_index == [0, 2]  # the seed's candidates: the second prompt's best is not its first
+    batch = served.client.completions.create(prompt=prompts, n=1, best_of=3, **args)
+    assert [c.index for c in batch.choices] == [0, 1] and [c.text for c in batch.choices] == best_texts
+    assert batch.usage.completion_tokens == 2 * 3 * 5
+    assert served.wait_idle()
+
+
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [([], "prompt"), (["a", [1, 2]], "prompt"), ([[1, 2], []], "prompt"), (["x"] * 257, "at most 256"),
