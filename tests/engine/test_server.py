@@ -268,7 +268,7 @@ def test_best_of_ranks_each_prompt_of_a_batch_apart(served):
         means = [sum(c.logprobs.token_logprobs) / 5 for c in every]
         best_index.append(max(range(3), key=lambda i: (means[i], -i)))
         best_texts.append(every[best_index[-1]].text)
-    assert best_index == [0, 2]  # the seed's candidates: the second prompt's best is not its first
+    assert any(best_index)  # the seed is chosen so that some prompt's best is not its first candidate
     batch = served.client.completions.create(prompt=prompts, n=1, best_of=3, **args)
     assert [c.index for c in batch.choices] == [0, 1] and [c.text for c in batch.choices] == best_texts
     assert batch.usage.completion_tokens == 2 * 3 * 5
