@@ -138,3 +138,20 @@ def test_stop_string_matcher_equals_the_full_decode_search(tokenizer, seed):
             break
     else:
         pytest.fail(f"no stop found for {stops!r}")
+
+
+def test_released_text_is_not_searched_for_stop_strings(tokenizer):
+    """Below ``min_tokens`` the engine releases the output without a stop search (``StopStringMatcher.release``):
+    a stop string inside it does not stop the request later, one after it does, and the text is whole."""
+    ids = tokenizer.encode("one two three. one two three. four", add_special_tokens=False)
+    full = tokenizer.decode(ids)
+    first_dot = next(k for k in range(1, len(ids) + 1) if "." in tokenizer.decode(ids[:k]))
+    matcher = StopStringMatcher(tokenizer, ["."])
+    matcher.release(ids[:first_dot])
+    stopped_at = next(k for k in range(first_dot + 1, len(ids) + 1) if matcher.add(ids[:k]))
+    second_dot = full.index(".", full.index(".") + 1)
+    assert "." in tokenizer.decode(ids[first_dot:stopped_at]) and matcher.text == full[:second_dot]
+    with pytest.raises(RuntimeError, match="release after add"):
+        held = StopStringMatcher(tokenizer, [". f"])
+        held.add(ids[:first_dot])  # the "." is held back as a possible start of ". f"
+        held.release(ids[: first_dot + 1])

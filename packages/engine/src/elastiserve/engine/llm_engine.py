@@ -287,15 +287,17 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         params, token = seq.params, seq.token_ids[-1]
-        if seq.num_output_tokens < params.min_tokens:  # max_tokens >= min_tokens: no length stop either
-            return "length" if seq.num_tokens >= self.max_model_len else None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        below_min = seq.num_output_tokens < params.min_tokens  # max_tokens >= min_tokens: no length stop either
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if stop_token and not below_min:
             return "stop"
         if params.stop and self.tokenizer is not None:
             matcher = self._stop_matchers.get(seq.request_id)
             if matcher is None:
                 matcher = self._stop_matchers[seq.request_id] = StopStringMatcher(self.tokenizer, params.stop)
-            if matcher.add(seq.output_token_ids):
+            if below_min:
+                matcher.release(seq.output_token_ids)
+            elif matcher.add(seq.output_token_ids):
                 seq.output_text = matcher.text
                 return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -159,6 +159,14 @@ class StopStringMatcher:
         self.consumed = 0  # output tokens fed so far
         self.text = ""
 
+    def release(self, output_token_ids: Sequence[int]) -> None:
+        """Take the output so far as text that no stop string may end in (a request below its ``min_tokens``): a
+        later ``add`` searches only what follows it, as vLLM's stop check does."""
+        if self.checker.pending:
+            raise RuntimeError("release after add: the held-back text would be searched again")
+        self.text += self.detokenizer.add(output_token_ids[self.consumed :])
+        self.consumed = len(output_token_ids)
+
     def add(self, output_token_ids: Sequence[int]) -> bool:
         """Feed the output so far (only the unseen tail is decoded); whether a stop string has appeared."""
         delta = self.detokenizer.add(output_token_ids[self.consumed :])
