@@ -281,35 +281,37 @@ def parse_chat(body: Any) -> ParsedRequest:
                          sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of)
 
 
-def parse_tokenize(body: Any) -> ParsedRequest:
-    """vLLM's ``/tokenize``: a completions ``prompt`` (one string) or chat ``messages``; ``model`` optional."""
+def _optional_model(body: Any) -> str:
+    """The body of a request whose ``model`` may be left out (tokenize, detokenize): that model, or ""."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model", code="invalid_type")
+    return model or ""
+
+
+def parse_tokenize(body: Any) -> ParsedRequest:
+    """vLLM's ``/tokenize``: a completions ``prompt`` (one string) or chat ``messages``; ``model`` optional."""
+    model = _optional_model(body)
     if "messages" in body:
-        return ParsedRequest("chat", model or "", messages=_parse_messages(body))
+        return ParsedRequest("chat", model, messages=_parse_messages(body))
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt", code="invalid_type")
-    return ParsedRequest("completion", model or "", prompts=[prompt])
+    return ParsedRequest("completion", model, prompts=[prompt])
 
 
 def parse_detokenize(body: Any, vocab_size: int) -> tuple[str, list[int]]:
     """vLLM's ``/detokenize``: ``tokens``, a list of ids in the vocabulary; ``model`` optional."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest("'model' must be a string", param="model", code="invalid_type")
+    model = _optional_model(body)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if tokens != [] and not _is_token_ids(tokens):
         raise BadRequest("'tokens' must be a list of token ids", param="tokens", code="invalid_type")
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
         raise BadRequest(f"token ids out of range [0, {vocab_size}): {bad[:5]}", param="tokens")
-    return model or "", tokens
+    return model, tokens
 
 
 def new_id(kind: str) -> str:

@@ -7,8 +7,8 @@ OpenAI's ``frequency_penalty`` (times the count) and ``presence_penalty`` (once)
 OpenAI's ``logit_bias`` is added next, before the argmax, so it steers greedy rows too. Rows with temperature 0 take
 the argmax. The others are scaled, masked by min-p (vLLM's: tokens less likely than min_p x the most likely one),
 then top-k, then top-p (all on the temperature-scaled distribution, the order vLLM uses), and drawn with the
-exponential-race trick
-(argmax of p / Exp(1) noise), which samples from p exactly and needs one random draw per vocabulary entry.
+exponential-race trick (argmax of p / Exp(1) noise), which samples from p exactly and needs one random draw per
+vocabulary entry.
 A row whose params carry a seed draws its noise from its own torch.Generator, so its tokens do not depend on what
 else is in the batch.
 """

@@ -27,6 +27,7 @@ from elastiserve.engine.protocol import BadRequest, eos_token_ids, error_body
 from elastiserve.engine.server_generation import (
     STATE_KEY,
     ServerState,
+    check_model,
     default_params_factory,
     handle_generation,
     prompt_ids_of,
@@ -88,17 +89,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await handle_generation(request, protocol.parse_chat(await read_json(request)))
 
 
-def check_model(state: Any, model: str) -> None:
-    """An optional ``model`` field (tokenize, detokenize) must name the served model when given."""
-    if model and model != state.model_name:
-        raise BadRequest(f"model {model!r} does not exist; this server serves {state.model_name!r}", param="model",
-                         code="model_not_found")
-
-
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     req = protocol.parse_tokenize(await read_json(request))
-    check_model(state, req.model)
+    if req.model:  # optional here, as in vLLM
+        check_model(state, req.model)
     tokens = prompt_ids_of(state, req)[0]
     return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
 
@@ -106,7 +101,8 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     model, tokens = protocol.parse_detokenize(await read_json(request), state.vocab_size)
-    check_model(state, model)
+    if model:
+        check_model(state, model)
     return web.json_response({"prompt": state.tokenizer.decode(tokens)})
 
 

@@ -71,10 +71,14 @@ def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[list[int]]:
     return prompts
 
 
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise BadRequest(f"model {model!r} does not exist; this server serves {state.model_name!r}", param="model",
+                         code="model_not_found")
+
+
 def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
-    if req.model != state.model_name:
-        raise BadRequest(f"model {req.model!r} does not exist; this server serves {state.model_name!r}",
-                         param="model", code="model_not_found")
+    check_model(state, req.model)
     if prompt_len == 0:
         raise BadRequest("the prompt is empty", param="prompt")
     if prompt_len + req.max_tokens > state.max_model_len:
