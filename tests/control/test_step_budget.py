@@ -239,3 +239,22 @@ def test_priming_refuses_steps_that_cannot_be_timed():
         budget().prime(0, [(0, 0.01)])
     with pytest.raises(ConfigError, match="prime"):
         budget().prime(0, [(512, 0.0)])
+
+
+def test_primed_steps_stay_while_the_served_ones_give_no_line():
+    """The H200's full mode in session 14: a cold first step and seven of one size have no positive slope; the primed
+    steps keep capping (fitted with the served ones) instead of the mode borrowing a faster mode's budget."""
+    b = budget(bound=0.11, max_tokens=3072, min_samples=8)
+    b.prime(0, [(tokens, 0.010 + 4.5e-5 * tokens) for tokens in (768, 1536, 2304, 3072) for _ in range(2)])
+    b.prime(48, [(tokens, 0.008 + 3.0e-5 * tokens) for tokens in (768, 1536, 2304, 3072) for _ in range(2)])
+    assert b.tokens(48) == 3072
+    b.record(0, 374, 0.270)
+    for _ in range(7):
+        b.record(0, 1932, 0.103)
+    fit = b.fit(0)
+    assert fit is not None and fit.samples == 15  # the cold step is a one-off, left out
+    assert fit.per_token_s == pytest.approx(4.5e-5, rel=0.01) and fit.margin_s > 0.003  # served above the priors
+    assert b.tokens(0) == 2087  # (0.11 - 0.01274 - 0.00323) / 4.505e-5, not fast mode's 3,072
+    for tokens in (1000, 1200, 1400, 1600, 1800, 1900, 1950, 2000):  # served steps with spread replace the priors
+        b.record(0, tokens, 0.040 + 3.5e-5 * tokens)
+    assert b.fit(0).samples == 15  # the 16 served less the cold one: the priors no longer count

@@ -17,8 +17,9 @@ simulator's steps are a deterministic function of the step, so there the margin 
 outliers, and those that recur should shrink the budget.) With enough steps but all of one
 size it caps at the slowest kept seconds per token (no intercept): conservative, and the spread it creates lets the
 fit take over. Below ``min_samples`` steps, or with a non-positive slope, it does not cap, unless the mode was
-primed (``prime``) with steps timed before serving: those stand in until the mode has ``min_samples`` served steps
-of its own, and served steps above their line raise the margin at once. The engine's scheduler
+primed (``prime``) with steps timed before serving: those stand in until the mode's served steps give a line of
+their own (``min_samples`` of them, with spread and a positive slope), and served steps above their line raise the
+margin at once. The engine's scheduler
 (``EngineConfig.max_step_time_s``) and the simulator's replicas (``ReplicaConfig.max_step_time_s``) use this one
 class. Off by default in both; the H200 MoE headline runs use it since session 9 (``--max-step-time 0.11``).
 """
@@ -92,11 +93,19 @@ class StepBudget:
         self._fits.pop(mode, None)
 
     def fit(self, mode: int) -> StepFit | None:
+        """The line of the mode's served steps once there are ``min_samples`` of them and they give one; until
+        then the line of its primed and served steps together. Served steps need not give a line: on the H200
+        (session 14, MoE headline, dps at 24 req/s, 3,072-token chunks) full mode's first eight were one cold step
+        (374 tokens, 270 ms) and seven of 1,932 tokens (~103 ms), a negative slope; the budget dropped the priors
+        all the same, borrowed fast mode's 3,072 tokens, and the ninth step ran them in full mode in 161 ms."""
         if mode not in self._fits:
-            steps = tuple(self._steps.get(mode, ()))
-            if len(steps) < self.config.min_samples:
-                steps = self._priors.get(mode, ()) + steps
-            self._fits[mode] = _fit(steps, self.config.min_samples, self.config.max_step_time_s)
+            cfg = self.config
+            served = tuple(self._steps.get(mode, ()))
+            fit = _fit(served, cfg.min_samples, cfg.max_step_time_s)
+            priors = self._priors.get(mode, ())
+            if fit is None and priors:
+                fit = _fit(priors + served, cfg.min_samples, cfg.max_step_time_s)
+            self._fits[mode] = fit
         return self._fits[mode]
 
     def tokens(self, mode: int) -> int:
