@@ -20,6 +20,8 @@ from elastiserve.control.step_budget import StepBudget, StepBudgetConfig
 from elastiserve.engine import step_probe
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
+from elastiserve.engine.guided.masks import Guide, MaskCache, TokenTable
+from elastiserve.engine.guided.vocab import vocabulary_bytes
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.observe import engine_stats, observe_step
 from elastiserve.engine.outputs import CompletionResult, RequestOutput, TokenLogprob
@@ -111,6 +113,7 @@ class LLMEngine:
         self.transitions = Transitions(config, self.kv, self.scheduler, self.runner, self.events, self.policy,
                                        precision, self._seq_index, self.model.config.num_hidden_layers)
         self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings
+        self._mask_cache = None  # guided.MaskCache over this model's vocabulary, built by the first guided request
         self._closed = False
         self.runner.warm_up()
         if self.step_budget is not None and self.device.type == "cuda":  # the CPU's steps are tests' (as warm-up)
@@ -169,12 +172,22 @@ class LLMEngine:
         if params.min_tokens:
             eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
             seq.banned_before_min = tuple(dict.fromkeys(params.stop_token_ids + eos))
+        if params.guide is not None:
+            seq.guide = Guide(params.guide, self._guide_masks())
         if params.prompt_logprobs is not None:  # nothing predicts the first token
             seq.prompt_logprobs = [TokenLogprob(seq.token_ids[0], None)]
         elif self.kv.prefix_cache is not None and prefix_leader is not None and self.scheduler.find(prefix_leader):
             seq.prefix_leader = prefix_leader
         self._seq_index[request_id] = next(self._seq_ids)
         self.scheduler.add(seq)
+
+    def _guide_masks(self) -> MaskCache:
+        if self._mask_cache is None:
+            if self.tokenizer is None:
+                raise InvalidRequest("guided decoding needs the model's tokenizer")
+            table = TokenTable(vocabulary_bytes(self.tokenizer, self.vocab_size), self.eos_token_ids)
+            self._mask_cache = MaskCache(table)
+        return self._mask_cache
 
     def abort_request(self, request_id: str) -> bool:
         """Drop the request and free its blocks and host slots; False when it is unknown or already finished."""
@@ -257,6 +270,9 @@ class LLMEngine:
                 outputs.append(self._output(seq, [], prompt_logprobs=seq.prompt_logprobs))
                 continue
             seq.token_ids.append(token)
+            if seq.guide is not None and not seq.guide.advance(token):
+                log.warning("request %s: token %d breaks its grammar (were all its tokens masked?)", seq.request_id,
+                            token)
             seq.metrics.token_times.append(now)
             seq.metrics.fast_mode_tokens += fast
             if seq.metrics.first_token_time is None:
@@ -290,6 +306,8 @@ class LLMEngine:
         below_min = seq.num_output_tokens < params.min_tokens  # max_tokens >= min_tokens: no length stop either
         stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         if stop_token and not below_min:
+            return "stop"
+        if seq.guide is not None and (seq.guide.done or seq.guide.dead):  # only EOS could follow: end here
             return "stop"
         if params.stop and self.tokenizer is not None:
             matcher = self._stop_matchers.get(seq.request_id)

@@ -4,7 +4,9 @@ Penalties apply to the logits first, greedy rows included, with vLLM's semantics
 CTRL-style rule: a positive logit divided by it, a negative one multiplied) over the prompt and generated tokens;
 OpenAI's ``frequency_penalty`` (times the count) and ``presence_penalty`` (once) over the generated tokens only.
 
-OpenAI's ``logit_bias`` is added next, before the argmax, so it steers greedy rows too. Rows with temperature 0 take
+OpenAI's ``logit_bias`` is added next, before the argmax, so it steers greedy rows too; then a guided row's mask of
+allowed tokens (structured output, ``elastiserve.engine.guided``) sets every other token to -inf, so top-k, top-p and
+min-p act on the constrained distribution. Rows with temperature 0 take
 the argmax. The others are scaled, masked by min-p (vLLM's: tokens less likely than min_p x the most likely one),
 then top-k, then top-p (all on the temperature-scaled distribution, the order vLLM uses), and drawn with the
 exponential-race trick (argmax of p / Exp(1) noise), which samples from p exactly and needs one random draw per
@@ -127,6 +129,7 @@ class Sampler:
         generators: Mapping[int, torch.Generator] | Sequence[torch.Generator | None] | None = None,
         histories: Sequence[PenaltyHistory | None] | None = None,
         bans: Sequence[Sequence[int]] | None = None,
+        allowed: Sequence[bytes | bytearray | None] | None = None,
     ) -> torch.Tensor:
         """logits[B, V] fp32, one SamplingParams-like object per row (temperature, top_k, top_p, and the penalties
         when ``histories`` is given).
@@ -134,8 +137,9 @@ class Sampler:
         ``generators``: row index -> torch.Generator on logits' device for seeded rows (a list with None for unseeded
         rows also works). ``histories``: per row, a ``PenaltyHistory`` for the rows to penalise, None for the
         others (their counts persist in ``penalty_counts`` until ``release``). ``bans``: per row, token ids it may
-        not pick (a request below its ``min_tokens``: EOS and its stop tokens). Returns token ids [B] int64 on
-        logits' device.
+        not pick (a request below its ``min_tokens``: EOS and its stop tokens). ``allowed``: per row, None or a
+        mask of V bytes (1: the token may be picked), a guided request's. Returns token ids [B] int64 on logits'
+        device.
         """
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
@@ -151,6 +155,8 @@ class Sampler:
             biases = [(*bias, *((t, float("-inf")) for t in banned)) for bias, banned in zip(biases, bans)]
         if any(biases):
             logits = apply_logit_bias(logits, biases)
+        if allowed is not None and any(a is not None for a in allowed):
+            logits = apply_allowed(logits, allowed)
         greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if not random_rows:
@@ -220,6 +226,22 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[Sequence[tuple[int, 
     out = logits.clone()
     index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
     out.index_put_(index, torch.tensor(values, dtype=out.dtype, device=logits.device), accumulate=True)
+    return out
+
+
+def apply_allowed(logits: torch.Tensor, allowed: Sequence[bytes | bytearray | None]) -> torch.Tensor:
+    """A copy of ``logits`` with each masked row's disallowed tokens at -inf (rows with None untouched). The masks
+    cross to the device as one [R, V] bool tensor built from the host bytes without a Python loop over tokens."""
+    rows = [i for i, mask in enumerate(allowed) if mask is not None]
+    vocab = logits.shape[-1]
+    if any(len(allowed[i]) != vocab for i in rows):
+        raise ValueError(f"an allowed-token mask does not cover the vocabulary of {vocab}")
+    # frombuffer shares the host bytes (a bytearray: torch warns about read-only buffers, so bytes are copied)
+    host = [allowed[i] if isinstance(allowed[i], bytearray) else bytearray(allowed[i]) for i in rows]
+    masks = torch.stack([torch.frombuffer(mask, dtype=torch.bool) for mask in host]).to(logits.device)
+    out = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    out[index] = out[index].masked_fill(~masks, float("-inf"))
     return out
 
 

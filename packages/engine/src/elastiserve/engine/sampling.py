@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from elastiserve.engine.errors import InvalidRequest
 
@@ -26,6 +27,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF / vLLM: logits of prompt and generated tokens divided (> 0) or multiplied
     # OpenAI's logit_bias as (token id, bias) pairs: added to the logits before greedy or sampling
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # structured output: a `guided.Grammar` the output must match (None: unconstrained). Each request gets its own
+    # `guided.Guide` over it, which masks the tokens that would break the grammar, greedy rows included
+    guide: Any = None
 
     def __post_init__(self) -> None:
         # Lists from JSON bodies become tuples so the params stay hashable and immutable.

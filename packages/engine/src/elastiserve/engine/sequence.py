@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastiserve.engine.sampling import SamplingParams
 
@@ -55,6 +56,7 @@ class Sequence:
     prefix_leader: str | None = None
     # the tokens the sampler may not pick while fewer than params.min_tokens are generated (EOS and stop tokens)
     banned_before_min: tuple[int, ...] = ()
+    guide: Any = None  # a guided.Guide when params.guide is set: its state follows the generated tokens
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,58 @@
+"""``python -m elastiserve.engine.guided.bench [MODEL]``: mask times in the main automaton states on a model's
+vocabulary (SmolLM2 by default): the numbers quoted in ``masks``' docstring."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from elastiserve.engine.guided.grammar import json_object_grammar, json_schema_grammar
+from elastiserve.engine.guided.masks import Guide, MaskCache, TokenTable
+from elastiserve.engine.guided.vocab import vocabulary_bytes
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+STATES = [  # (label, grammar, text fed before the mask)
+    ("json_object, after '{'", json_object_grammar, '{'),
+    ("json_object, after ':' (any value)", json_object_grammar, '{"a":'),
+    ("json_object, inside a free string", json_object_grammar, '{"a":"x'),
+    ("schema, inside a declared key", lambda: json_schema_grammar(SCHEMA), '{"na'),
+    ("schema, inside an integer", lambda: json_schema_grammar(SCHEMA), '{"name":"x","age":1'),
+]
+
+
+def main(model: str = "smollm2") -> None:
+    from elastiserve.engine.loader import resolve_model_dir
+    from elastiserve.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(resolve_model_dir(model))
+    start = time.perf_counter()
+    table = TokenTable(vocabulary_bytes(tokenizer, tokenizer.vocab_size), tokenizer.eos_token_ids)
+    print(f"table: {table.size} tokens in {time.perf_counter() - start:.3f} s")
+    for label, make, prefix in STATES:
+        grammar = make()
+        guide = Guide(grammar, MaskCache(table))
+        guide.state = grammar.automaton.feed(guide.state, prefix.encode())
+        times = []
+        for _ in range(5):  # a fresh cache each time: the miss's cost (the transition memo stays warm after one)
+            guide.cache = MaskCache(table)
+            start = time.perf_counter()
+            mask = guide.allowed()
+            times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(1000):
+            guide.allowed()
+        hit = (time.perf_counter() - start) / 1000
+        print(f"{label}: first miss {times[0] * 1e3:.2f} ms, warm miss {min(times[1:]) * 1e3:.2f} ms, "
+              f"hit {hit * 1e6:.2f} us, {sum(mask)} tokens allowed")
+    guide = Guide(json_object_grammar(), MaskCache(table))
+    ids = tokenizer.encode('{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"]}')
+    start = time.perf_counter()
+    for token_id in ids:
+        guide.advance(token_id)
+    print(f"advance: {(time.perf_counter() - start) / len(ids) * 1e6:.1f} us a token over {len(ids)} tokens "
+          f"(cold memo), accepted {guide.done}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,182 @@
+"""Token masks: which vocabulary tokens keep a grammar's automaton alive, and the per-request ``Guide``.
+
+``TokenTable`` holds the vocabulary's bytes as a trie. A mask is computed by walking the trie depth first with the
+automaton, pruning a subtree as soon as its prefix kills every configuration; a token is allowed when the walk
+reaches its node alive. EOS is allowed only where the document may end.
+
+The hot state is the inside of an unconstrained string: its state does not change on a plain byte (printable, not
+``"`` or ``\\``, complete UTF-8), whatever the stack beneath it, so the tokens made of plain bytes only (48,464 of
+SmolLM2's 49,152) are allowed there outright: that part is precomputed once per vocabulary. Only the others (the
+"special" trie: quotes, backslashes, control bytes, partial UTF-8) are walked, and those do depend on the stack
+(``"}`` closes the string and then an object). Every mask is cached by (grammar, state), a state being the whole
+configuration set, in an LRU shared by all requests of one engine.
+
+Measured on SmolLM2's vocabulary (49,152 tokens; this project's CPU, Python 3.11; ``python -m
+elastiserve.engine.guided.bench``): building the table 0.34 s (once per engine); a cache miss inside a free string
+1.3 ms (copy of the precomputed part + the special trie walk), after ``{`` of ``json_object`` 4.6 ms, after ``:``
+(any value) 9.4 ms, inside a declared key 0.08 ms, inside a number 0.13 ms; a cache hit 0.4 µs. Feeding a
+sampled token to the guide: 1-3 µs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from elastiserve.engine.errors import InvalidRequest
+from elastiserve.engine.guided.automaton import DEAD, FREE_KEY
+from elastiserve.engine.guided.grammar import Grammar
+
+FREE_STRING = FREE_KEY[:3]  # (STRING, min 0, max None): the unconstrained string, escape and UTF-8 fields aside
+
+
+def is_plain(data: bytes) -> bool:
+    """Bytes that leave an unconstrained string's state unchanged: no quote, backslash or control byte, and whole
+    UTF-8 characters."""
+    if b'"' in data or b"\\" in data or any(b < 0x20 for b in data):
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class _Trie:
+    __slots__ = ("children", "ids")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Trie] = {}
+        self.ids: list[int] = []
+
+    def insert(self, data: bytes, token_id: int) -> None:
+        node = self
+        for byte in data:
+            child = node.children.get(byte)
+            if child is None:
+                child = node.children[byte] = _Trie()
+            node = child
+        node.ids.append(token_id)
+
+
+class TokenTable:
+    """The vocabulary's bytes, its tries, and the plain-string mask. ``token_bytes[i]`` None: never allowed (special
+    tokens, padding ids)."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None], eos_ids: Iterable[int]) -> None:
+        self.token_bytes = list(token_bytes)
+        self.size = len(self.token_bytes)
+        self.eos_ids = tuple(sorted(i for i in set(eos_ids) if 0 <= i < self.size))
+        if not self.eos_ids:
+            raise InvalidRequest("guided decoding needs an EOS token id")
+        self.trie = _Trie()
+        self.special_trie = _Trie()
+        plain = bytearray(self.size)
+        for token_id, data in enumerate(self.token_bytes):
+            if not data or token_id in self.eos_ids:
+                continue
+            self.trie.insert(data, token_id)
+            if is_plain(data):
+                plain[token_id] = 1
+            else:
+                self.special_trie.insert(data, token_id)
+        self.plain_mask = plain
+
+
+def walk(trie: _Trie, automaton, state: frozenset) -> list[int]:
+    """The token ids under ``trie`` whose bytes keep ``state`` alive."""
+    advance = automaton.advance
+    allowed: list[int] = []
+    stack = [(trie, state)]
+    while stack:
+        node, current = stack.pop()
+        for byte, child in node.children.items():
+            nxt = advance(current, byte)
+            if nxt:
+                if child.ids:
+                    allowed.extend(child.ids)
+                if child.children:
+                    stack.append((child, nxt))
+    return allowed
+
+
+def in_free_string(state: frozenset) -> bool:
+    """Every configuration is inside an unconstrained string, between characters."""
+    return all(config and config[0][:3] == FREE_STRING and not config[0][4] and not config[0][5]
+               for config in state)
+
+
+class MaskCache:
+    """Masks (``bytearray`` of 0/1 per token id, what the sampler reads) by (grammar, state), least recently used
+    dropped past ``capacity`` (a SmolLM2 mask is 48 KiB: 512 of them are 24 MiB)."""
+
+    def __init__(self, table: TokenTable, capacity: int = 512) -> None:
+        self.table = table
+        self.capacity = capacity
+        self._masks: OrderedDict[tuple[Grammar, frozenset], bytearray] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def mask(self, grammar: Grammar, state: frozenset) -> bytearray:
+        key = (grammar, state)
+        found = self._masks.get(key)
+        if found is not None:
+            self._masks.move_to_end(key)
+            self.hits += 1
+            return found
+        self.misses += 1
+        found = self.compute(grammar, state)
+        self._masks[key] = found
+        if len(self._masks) > self.capacity:
+            self._masks.popitem(last=False)
+        return found
+
+    def compute(self, grammar: Grammar, state: frozenset) -> bytearray:
+        table, automaton = self.table, grammar.automaton
+        if in_free_string(state):
+            mask = bytearray(table.plain_mask)
+            allowed = walk(table.special_trie, automaton, state)
+        else:
+            mask = bytearray(table.size)
+            allowed = walk(table.trie, automaton, state)
+        for token_id in allowed:
+            mask[token_id] = 1
+        if automaton.accepts(state):
+            for token_id in table.eos_ids:
+                mask[token_id] = 1
+        return mask
+
+
+class Guide:
+    """One request's (one candidate's) position in its grammar: a function of the tokens it has generated, so
+    preemption by recompute keeps it as it is."""
+
+    def __init__(self, grammar: Grammar, cache: MaskCache) -> None:
+        self.grammar = grammar
+        self.cache = cache
+        self.state = grammar.automaton.start()
+
+    def allowed(self) -> bytearray:
+        return self.cache.mask(self.grammar, self.state)
+
+    def advance(self, token_id: int) -> bool:
+        """Take a sampled token; False when it breaks the grammar (the guide is then dead). EOS is not fed."""
+        if token_id in self.cache.table.eos_ids:
+            return self.accepts
+        data = self.cache.table.token_bytes[token_id] if 0 <= token_id < self.cache.table.size else None
+        self.state = self.grammar.automaton.feed(self.state, data) if data else DEAD
+        return bool(self.state)
+
+    @property
+    def accepts(self) -> bool:
+        return self.grammar.automaton.accepts(self.state)
+
+    @property
+    def done(self) -> bool:
+        """Complete, and nothing but EOS may follow."""
+        return self.grammar.automaton.is_done(self.state)
+
+    @property
+    def dead(self) -> bool:
+        return not self.state
+
