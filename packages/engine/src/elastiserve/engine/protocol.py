@@ -47,6 +47,7 @@ class ParsedRequest:
     stop: tuple[str, ...] = ()
     n: int = 1  # choices returned
     best_of: int = 1  # candidates generated, each its own engine request; the n best are returned
+    tools: Any = None  # chat: a structured.ToolSpec when tools are offered
 
     @property
     def max_tokens(self) -> int:
@@ -257,8 +258,32 @@ def _parse_messages(body: dict) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string", param="messages", code="invalid_type")
-        parsed.append({"role": message["role"], "content": content})
+        parsed.append({"role": message["role"], "content": content} | _tool_fields(message, i))
     return parsed
+
+
+def _tool_fields(message: dict, i: int) -> dict[str, Any]:
+    """An assistant message's ``tool_calls`` (each a function call with JSON-text arguments) and a tool message's
+    ``tool_call_id`` / ``name``, checked; the chat template renders them (``tool_calls.render_messages``)."""
+    fields: dict[str, Any] = {}
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            if not isinstance(message[key], str):
+                raise BadRequest(f"messages[{i}].{key} must be a string", param="messages", code="invalid_type")
+            fields[key] = message[key]
+    calls = message.get("tool_calls")
+    if calls is None:
+        return fields
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        raise BadRequest(f"messages[{i}].tool_calls must be a list, on an assistant message", param="messages")
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", "{}"), (str, dict)):
+            raise BadRequest(f"messages[{i}].tool_calls: each needs function.name and function.arguments (a JSON "
+                             "string)", param="messages")
+    fields["tool_calls"] = calls
+    return fields
 
 
 def parse_chat(body: Any) -> ParsedRequest:

@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from elastiserve.engine import protocol
+from elastiserve.engine import protocol, structured
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
 from elastiserve.engine.protocol import BadRequest, eos_token_ids, error_body
 from elastiserve.engine.server_generation import (
@@ -82,11 +82,11 @@ async def read_json(request: web.Request) -> Any:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await handle_generation(request, protocol.parse_completion(await read_json(request)))
+    return await handle_generation(request, structured.parse_completion(await read_json(request)))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await handle_generation(request, protocol.parse_chat(await read_json(request)))
+    return await handle_generation(request, structured.parse_chat(await read_json(request)))
 
 
 async def tokenize(request: web.Request) -> web.Response:

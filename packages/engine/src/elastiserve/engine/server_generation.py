@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from elastiserve.engine import protocol
+from elastiserve.engine import protocol, tool_calls
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
 from elastiserve.engine.metrics_prom import ServerMetrics
 from elastiserve.engine.protocol import BadRequest, ParsedRequest, error_body
@@ -54,8 +54,9 @@ class ServerState:
 def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[list[int]]:
     """The token ids of each prompt: chat's one rendered conversation, or completions' prompt(s)."""
     if req.kind == "chat":
+        messages, extra = tool_calls.render_messages(req.messages, req.tools, state.tokenizer)
         try:  # templates reject some conversations (roles out of order, ...) with a ValueError
-            rendered = state.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            rendered = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except ValueError as exc:
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
         return [list(rendered) if not isinstance(rendered, str) else list(state.tokenizer.encode(rendered))]
@@ -103,6 +104,7 @@ class RequestRun:
         self.prompt_index = prompt_index  # which prompt of a batch this run continues
         self.text = TextStream(state.tokenizer, state.eos_ids)
         self.stops = StopChecker(req.stop)
+        self.tool_stream = tool_calls.ToolCallStream(req.tools) if req.tools is not None and req.stream else None
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -229,6 +231,8 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
         choices += [(echo + texts[group[i]], runs[group[i]].finish_reason, runs[group[i]].take_logprobs())
                     for i in best]
     body = protocol.full_body(req, request_id, choices, prompt_tokens, sum(r.num_output_tokens for r in runs))
+    if req.tools is not None:
+        tool_calls.attach_calls(body, req.tools)
     return web.json_response(body)
 
 
@@ -302,12 +306,17 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
                 raise output
             run = runs[i]
             text = run.feed(output)
+            if run.tool_stream is not None:
+                text = run.tool_stream.feed(text)
             if text:
                 await response.write(sse(protocol.chunk_body(req, request_id, created, text, None,
                                                              logprobs=run.take_logprobs(), index=run.index)))
             if run.finish_reason is not None:
                 remaining -= 1
-                await response.write(sse(protocol.chunk_body(req, request_id, created, None, run.finish_reason,
+                reason = run.finish_reason
+                if run.tool_stream is not None:
+                    reason = await write_tool_calls(response, run, request_id, created)
+                await response.write(sse(protocol.chunk_body(req, request_id, created, None, reason,
                                                              logprobs=run.take_logprobs(), index=run.index)))
     except EngineStepFailed as exc:
         state.metrics.count("requests_failed_total")
@@ -328,6 +337,18 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
     for run in runs:
         run.record()
     return response
+
+
+async def write_tool_calls(response: web.StreamResponse, run: RequestRun, request_id: str, created: int) -> str:
+    """A tool-using choice's last content and its calls (one delta), when its output has ended; its finish reason."""
+    rest, calls = run.tool_stream.finish()
+    if rest:
+        await response.write(sse(protocol.chunk_body(run.req, request_id, created, rest, None, index=run.index)))
+    if calls:
+        chunk = protocol.chunk_body(run.req, request_id, created, None, None, index=run.index)
+        chunk["choices"][0]["delta"]["tool_calls"] = tool_calls.delta_calls(calls)
+        await response.write(sse(chunk))
+    return tool_calls.finish_reason(calls, run.finish_reason)
 
 
 async def pump(index: int, first: Any, outputs: Any, queue: asyncio.Queue) -> None:
