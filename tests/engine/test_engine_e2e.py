@@ -391,3 +391,48 @@ def test_elastickv_demotes_past_one_slot_per_initial_pair(tiny_llama, device):
         most_base = max(most_base, engine.stats()["base_pairs"])
     assert seqs * (prompt_blocks + 10) > pool_blocks + pool_blocks // 2 + 1  # more than the old slots could free
     assert most_base > pool_blocks // 2 + 1 and engine.stats()["preemptions"] == 0
+
+
+class AsciiVocab:
+    """Token i < 128 is the byte i; the rest are special (never generated under a guide) and 210 is EOS."""
+
+    EOS = 210
+
+    def token_bytes(self):
+        return [bytes([i]) if i < 128 else None for i in range(211)]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 128).decode()
+
+
+def test_guided_requests_survive_preemption_and_stop_when_complete(tiny_llama, device):
+    """Two guided requests that cannot both hold their blocks: one is preempted and recomputed, and both outputs are
+    still documents of the grammar (or, at max_tokens, alive prefixes of one); a document that completes ends the
+    request with "stop" before max_tokens."""
+    from elastiserve.engine.guided.grammar import json_schema_grammar
+
+    engine = make_engine(tiny_llama, device)
+    engine.tokenizer, engine.eos_token_ids = AsciiVocab(), frozenset({AsciiVocab.EOS})
+    grammar = json_schema_grammar({"type": "array", "items": {"enum": ["ab", 7]}, "minItems": 1, "maxItems": 2})
+    pool = engine.kv.pool
+    params = SamplingParams(temperature=0.0, max_tokens=12, guide=grammar)
+    block = block_size_for(device)
+    needs = [-(-(len(p) + params.max_tokens) // block) for p in (PROMPTS[0], PROMPTS[2])]
+    pool.allocate(pool.num_blocks - max(needs), False)  # each fits alone, both together do not
+    engine.add_request("r0", PROMPTS[0], params)
+    engine.add_request("r2", PROMPTS[2], params)
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert engine.stats()["preemptions"] >= 1
+    automaton = grammar.automaton
+    for out in finished.values():
+        text = out.text.encode()
+        state = automaton.feed(automaton.start(), text)
+        assert state, text
+        if out.finish_reason == "stop":
+            assert automaton.matches(text) and out.num_output_tokens <= params.max_tokens
+        else:
+            assert out.finish_reason == "length" and out.num_output_tokens == params.max_tokens

@@ -582,3 +582,113 @@ def test_idle_async_engine_steps_until_background_work_is_done():
         assert engine.num_steps == steps
     finally:
         async_engine.shutdown()
+
+
+# ---- structured output and tools (SmolLM2: the fake engine's script is no JSON) ------------------------------
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                                  "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)
+def test_response_format_json_object_and_json_schema(served):
+    """json_object's output parses as one object; json_schema's (streamed too) conforms to the schema, types checked
+    by hand; both end with finish_reason stop once the document is complete."""
+    ask = [{"role": "user", "content": 'Give a JSON object with the keys "city" and "country" for Paris.'}]
+    full = served.client.chat.completions.create(model=MODEL, messages=ask, max_tokens=30, temperature=0.0,
+                                                 response_format={"type": "json_object"}).choices[0]
+    assert full.finish_reason == "stop" and isinstance(json.loads(full.message.content), dict)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=30,
+                temperature=0.0, response_format=fmt)
+    full = served.client.chat.completions.create(**args).choices[0]
+    person = json.loads(full.message.content)
+    assert full.finish_reason == "stop" and set(person) == {"name", "age"}
+    assert isinstance(person["name"], str) and len(person["name"]) <= 10
+    assert isinstance(person["age"], int) and not isinstance(person["age"], bool)
+    chunks = list(served.client.chat.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)
+def test_guided_choice_with_n_choices(served):
+    """Each of n sampled choices (its own guide) is exactly one of the strings."""
+    choices = ["Paris", "London", "Rome"]
+    out = served.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, n=3,
+                                           temperature=1.0, seed=7, extra_body={"guided_choice": choices})
+    assert len(out.choices) == 3
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices), [c.text for c in out.choices]
+
+
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)
+def test_tool_choice_required_and_named_give_tool_calls(served):
+    """required: one call of one of the tools, arguments valid for it; named (streamed): that tool's call in the
+    final delta; both finish with "tool_calls" and no content."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    full = served.client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0.0,
+                                                 tools=WEATHER_TOOLS, tool_choice="required").choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content is None
+    (call,) = full.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert call.function.name == "get_time" and set(arguments) == {"city"}
+    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 12
+    chunks = list(served.client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=30, temperature=0.0, tools=WEATHER_TOOLS, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.content for d in deltas)
+    (streamed,) = [call for d in deltas for call in d.tool_calls or []]
+    assert streamed.index == 0 and streamed.function.name == "get_time"
+    assert set(json.loads(streamed.function.arguments)) == {"city"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)
+def test_tool_results_and_earlier_calls_render_through_the_template(served):
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    out = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0.0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    status, payload = post_raw(served.url, "/tokenize", json.dumps({"messages": messages}).encode())
+    text = served.engine.tokenizer.decode(payload["tokens"])
+    assert status == 200 and '<tool_call>\n{"name": "get_weather"' in text and "<tool_response>" in text
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "string", "pattern": "a+"}}}}, "response_format", "pattern"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+    ({"guided_json": '{"type": "object", "properties": {"d": {"format": "date"}}}'}, "guided_json", "format"),
+    ({"guided_json": "{not json"}, "guided_json", "JSON"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"guided_regex": "a+"}, "guided_regex", "not supported"),
+    ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice", "only one"),
+    ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "nope"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", "name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 1}}}],
+      "tool_choice": "required"}, "tools", "minimum"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": WEATHER_TOOLS, "tool_choice": "required", "guided_choice": ["a"]}, "tool_choice", "already"),
+])
+def test_bad_structured_requests_get_400(fake_served, extra, param, words):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra
+    status, payload = post_raw(fake_served.url, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and payload["error"]["param"] == param, payload
+    assert words in payload["error"]["message"]
