@@ -93,7 +93,7 @@ class JsonAutomaton:
             for config in state:
                 self._step(config, byte, out)
             found = frozenset(out) if out else DEAD
-            if len(self._memo) > 500_000:  # a bound on memory for long-lived grammars with unbounded states
+            if len(self._memo) > 200_000:  # a bound on memory (some 40 MB) for grammars with many counting states
                 self._memo.clear()
             self._memo[key] = found
         return found

@@ -10,7 +10,8 @@ from elastiserve.engine.guided.grammar import json_object_grammar, json_schema_g
 from elastiserve.engine.guided.masks import Guide, MaskCache, TokenTable
 from elastiserve.engine.guided.vocab import vocabulary_bytes
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                          "code": {"type": "string", "maxLength": 12}},
           "required": ["name", "age"]}
 STATES = [  # (label, grammar, text fed before the mask)
     ("json_object, after '{'", json_object_grammar, '{'),
@@ -18,6 +19,7 @@ STATES = [  # (label, grammar, text fed before the mask)
     ("json_object, inside a free string", json_object_grammar, '{"a":"x'),
     ("schema, inside a declared key", lambda: json_schema_grammar(SCHEMA), '{"na'),
     ("schema, inside an integer", lambda: json_schema_grammar(SCHEMA), '{"name":"x","age":1'),
+    ("schema, inside a maxLength 12 string", lambda: json_schema_grammar(SCHEMA), '{"name":"x","age":1,"code":"ab'),
 ]
 
 
@@ -52,6 +54,21 @@ def main(model: str = "smollm2") -> None:
         guide.advance(token_id)
     print(f"advance: {(time.perf_counter() - start) / len(ids) * 1e6:.1f} us a token over {len(ids)} tokens "
           f"(cold memo), accepted {guide.done}")
+    sample_cost(table.size, guide.allowed())
+
+
+def sample_cost(vocab: int, mask: bytearray, rows: int = 4) -> None:
+    """The sampler's side: masking ``rows`` rows of CPU logits (the device copy aside)."""
+    import torch
+
+    from elastiserve.engine.sampler import apply_allowed
+
+    logits = torch.randn(rows, vocab)
+    apply_allowed(logits, [mask] * rows)
+    start = time.perf_counter()
+    for _ in range(100):
+        apply_allowed(logits, [mask] * rows)
+    print(f"sampler mask: {(time.perf_counter() - start) / 100 * 1e3:.2f} ms for {rows} rows")
 
 
 if __name__ == "__main__":

@@ -4,30 +4,33 @@
 automaton, pruning a subtree as soon as its prefix kills every configuration; a token is allowed when the walk
 reaches its node alive. EOS is allowed only where the document may end.
 
-The hot state is the inside of an unconstrained string: its state does not change on a plain byte (printable, not
-``"`` or ``\\``, complete UTF-8), whatever the stack beneath it, so the tokens made of plain bytes only (48,464 of
-SmolLM2's 49,152) are allowed there outright: that part is precomputed once per vocabulary. Only the others (the
-"special" trie: quotes, backslashes, control bytes, partial UTF-8) are walked, and those do depend on the stack
-(``"}`` closes the string and then an object). Every mask is cached by (grammar, state), a state being the whole
-configuration set, in an LRU shared by all requests of one engine.
+The hot state is the inside of a string: a plain byte (printable, not ``"`` or ``\\``, complete UTF-8) only
+advances its character count, whatever the stack beneath, so a token made of plain bytes only (48,464 of SmolLM2's
+49,152) is allowed there exactly when it fits the string's room (any length without ``maxLength``): those masks are
+precomputed per vocabulary (per room when bounded). Only the other tokens (the "special" trie: quotes, backslashes,
+control bytes, partial UTF-8; 670 in SmolLM2) are walked, and those do depend on the stack (``"}`` closes the
+string and then an object). Every mask is cached by (grammar, state), a state being the whole configuration set, in
+an LRU shared by all requests of one engine.
 
-Measured on SmolLM2's vocabulary (49,152 tokens; this project's CPU, Python 3.11; ``python -m
-elastiserve.engine.guided.bench``): building the table 0.34 s (once per engine); a cache miss inside a free string
-1.3 ms (copy of the precomputed part + the special trie walk), after ``{`` of ``json_object`` 4.6 ms, after ``:``
-(any value) 9.4 ms, inside a declared key 0.08 ms, inside a number 0.13 ms; a cache hit 0.4 µs. Feeding a
-sampled token to the guide: 1-3 µs.
+Measured on SmolLM2's vocabulary (49,152 tokens) on this project's 2-core CPU (AMD EPYC, Python 3.11), with
+``python -m elastiserve.engine.guided.bench``: the table 0.7-0.9 s, once per engine. A cache miss with a cold
+transition memo: after ``{`` of json_object 0.5-0.8 ms (136 tokens allowed), after ``:`` (any value) 1.1-1.9 ms,
+inside a free string 0.5-0.8 ms (48,786 allowed), inside a declared key 0.2-0.4 ms, inside an integer 0.5-0.8 ms,
+inside a maxLength-12 string 3.0 ms (the first time that room is seen); with a warm memo 0.05-0.25 ms; a cache hit
+0.2-0.4 us. Walking the whole trie inside a string costs 68-78 ms instead, which is why the plain part is
+precomputed. Feeding a sampled token to its guide: 4-25 us with a cold memo. The sampler's side, masking 4 rows of
+CPU logits: 0.45 ms.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from elastiserve.engine.errors import InvalidRequest
-from elastiserve.engine.guided.automaton import DEAD, FREE_KEY
+from elastiserve.engine.guided.automaton import DEAD, STRING
 from elastiserve.engine.guided.grammar import Grammar
-
-FREE_STRING = FREE_KEY[:3]  # (STRING, min 0, max None): the unconstrained string, escape and UTF-8 fields aside
 
 
 def is_plain(data: bytes) -> bool:
@@ -72,15 +75,32 @@ class TokenTable:
         self.trie = _Trie()
         self.special_trie = _Trie()
         plain = bytearray(self.size)
+        self.plain_lengths: dict[int, int] = {}  # plain token -> its characters
         for token_id, data in enumerate(self.token_bytes):
             if not data or token_id in self.eos_ids:
                 continue
             self.trie.insert(data, token_id)
             if is_plain(data):
                 plain[token_id] = 1
+                self.plain_lengths[token_id] = len(data.decode())
             else:
                 self.special_trie.insert(data, token_id)
         self.plain_mask = plain
+        self.longest_plain = max(self.plain_lengths.values(), default=0)
+        self._plain_upto: dict[int, bytearray] = {}
+
+    def plain_upto(self, room: float) -> bytearray:
+        """The plain tokens of at most ``room`` characters (a string with a maxLength)."""
+        if room >= self.longest_plain:
+            return self.plain_mask
+        room = int(room)
+        mask = self._plain_upto.get(room)
+        if mask is None:
+            mask = self._plain_upto[room] = bytearray(self.size)
+            for token_id, length in self.plain_lengths.items():
+                if length <= room:
+                    mask[token_id] = 1
+        return mask
 
 
 def walk(trie: _Trie, automaton, state: frozenset) -> list[int]:
@@ -100,10 +120,17 @@ def walk(trie: _Trie, automaton, state: frozenset) -> list[int]:
     return allowed
 
 
-def in_free_string(state: frozenset) -> bool:
-    """Every configuration is inside an unconstrained string, between characters."""
-    return all(config and config[0][:3] == FREE_STRING and not config[0][4] and not config[0][5]
-               for config in state)
+def string_room(state: frozenset) -> float | None:
+    """When every configuration is inside a string between characters (no escape or UTF-8 sequence open): the most
+    characters a plain token may add (inf without maxLength); None otherwise. A plain token only advances a
+    string's character count, whatever the stack beneath, so it is allowed exactly when it fits this room."""
+    room = -1.0
+    for config in state:
+        frame = config[0] if config else None
+        if frame is None or frame[0] != STRING or frame[4] or frame[5]:
+            return None
+        room = max(room, math.inf if frame[2] is None else frame[2] - frame[3])
+    return room
 
 
 class MaskCache:
@@ -133,8 +160,9 @@ class MaskCache:
 
     def compute(self, grammar: Grammar, state: frozenset) -> bytearray:
         table, automaton = self.table, grammar.automaton
-        if in_free_string(state):
-            mask = bytearray(table.plain_mask)
+        room = string_room(state)
+        if room is not None:
+            mask = bytearray(table.plain_upto(room))
             allowed = walk(table.special_trie, automaton, state)
         else:
             mask = bytearray(table.size)

@@ -91,7 +91,7 @@ class UnionNode:
 Node = ObjectNode | ArrayNode | StringNode | NumberNode | LiteralNode | UnionNode
 
 DESCRIPTIVE = frozenset({"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
-                         "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"})
+                         "readOnly", "writeOnly", "$defs", "definitions"})
 SUPPORTED = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
                        "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength"})
 JSON_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
