@@ -20,6 +20,7 @@ from elastiserve.control.step_budget import StepBudget, StepBudgetConfig
 from elastiserve.engine import step_probe
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.errors import InvalidRequest
+from elastiserve.engine.gc_watch import GcWatch, freeze_start_up
 from elastiserve.engine.guided.masks import Guide, MaskCache, TokenTable
 from elastiserve.engine.guided.vocab import vocabulary_bytes
 from elastiserve.engine.kv_manager import KVManager
@@ -31,7 +32,7 @@ from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
 from elastiserve.engine.tokenizer import StopStringMatcher
-from elastiserve.engine.transitions import Transitions
+from elastiserve.engine.transitions import Transitions, make_policy
 from elastiserve.engine.warmup import mode_sets
 from elastiserve.platforms import ConfigError
 
@@ -99,14 +100,16 @@ class LLMEngine:
         )
         self.step_budget = None if config.max_step_time_s is None else StepBudget(
             StepBudgetConfig(config.max_step_time_s, config.max_num_batched_tokens))
-        self.policy = policy if policy is not None else _make_policy(config)
+        self.policy = policy if policy is not None else make_policy(config)
         control = getattr(self.policy, "config", None)  # does demotion also make room for queued prompts?
         self._count_admissions = getattr(control, "demand_counts_admissions", True)
         self.scheduler.admission = self.kv.admission_bound(control, self.max_model_len)
         self.events = EventLog()
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, hf_config))
         self.step_count = 0
-        self.last_step: dict[str, Any] = {"step_tokens": 0, "step_seqs": 0, "step_s": 0.0}
+        self.last_step: dict[str, Any] = {"step_tokens": 0, "step_seqs": 0, "step_s": 0.0, "gc_s": 0.0}
+        self.gc_watch = GcWatch()  # the collector's seconds since the last step go into its record (gc_s)
+        self._gc_mark = 0.0
         self._seq_ids = itertools.count()
         self._seq_index: dict[str, int] = {}
         precision = getattr(control, "precision", None)  # None: scripted test policies run the stale layers
@@ -120,12 +123,9 @@ class LLMEngine:
             self.prime_step_budget()
         self._gc_frozen = self.runner.device.type == "cuda"
         if self._gc_frozen:
-            # What start-up built (model, kernels, graphs) lives as long as the engine: out of the collector's
-            # generations, a full collection no longer walks it inside somebody's step. combined's MoE run on the
-            # H200 (session 10, 12 req/s) had one 226 ms pause between two steps, outside both, that broke the TBT
-            # bound of 189 requests; a collection is a likely cause, not a proven one.
-            gc.collect()
-            gc.freeze()
+            freeze_start_up()
+        self.gc_watch.install()
+        self._gc_mark = self.gc_watch.total_s
 
     def prime_step_budget(self) -> None:
         """Time probe steps in each whole-model mode and prime the budget with them (``step_probe``); on a GPU the
@@ -232,7 +232,10 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.runner.execute(batch, self.kv)  # ends on the sampled tokens' read-back: device work included
         seconds = time.perf_counter() - start
-        self.last_step = {"step_tokens": batch.num_tokens, "step_seqs": len(batch.seqs), "step_s": seconds}
+        gc_total = self.gc_watch.total_s
+        self.last_step = {"step_tokens": batch.num_tokens, "step_seqs": len(batch.seqs), "step_s": seconds,
+                          "gc_s": gc_total - self._gc_mark}  # since the previous step ended: between steps and in it
+        self._gc_mark = gc_total
         if self.step_budget is not None and batch.num_tokens > len(batch.seqs):  # a step with a prefill chunk
             self.step_budget.record(len(self.runner.fast_layers), batch.num_tokens, seconds)
         for i, entries in (out.prompt_logprobs or {}).items():
@@ -351,6 +354,7 @@ class LLMEngine:
             return
         self._closed = True
         self.shutdown()
+        self.gc_watch.remove()
         self.runner.graphs = None
         manager = self.runner.pool.manager
         if manager is not None:
@@ -389,9 +393,11 @@ class LLMEngine:
         return results
 
     def stats(self) -> dict[str, Any]:
-        """Counters, mode and KV state, and the last executed step's tokens, sequences and seconds (what a bench
-        timeline needs to fit step times against tokens)."""
-        return engine_stats(self.step_count, self.kv, self.scheduler, self.runner, self.events) | self.last_step
+        """Counters, mode and KV state, the collector's passes (``gc_watch``), and the last executed step's tokens,
+        sequences, seconds and collector seconds since the step before it (what a bench timeline needs to fit step
+        times against tokens and to tell host pauses from steps)."""
+        stats = engine_stats(self.step_count, self.kv, self.scheduler, self.runner, self.events)
+        return stats | self.gc_watch.stats() | self.last_step
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -400,21 +406,6 @@ def _resolve_device(name: str) -> torch.device:
 
         return torch.device(current_platform().device_type)
     return torch.device(name)
-
-
-def _make_policy(config: EngineConfig):
-    from elastiserve.control.arbiter import Arbiter
-    from elastiserve.control.config import preset
-    from elastiserve.control.kv_fidelity import capacity_guard
-
-    a_max = capacity_guard(config.max_num_seqs, config.max_num_batched_tokens, config.block_size)
-    # D_t counts the prompts the next step would admit, as the paper's dry run of the native scheduler does (H200,
-    # quarter-scale dense, concurrency 48: 0 preemptions, P90 TTFT 1.03 s; static-fp16 755, 9.88 s), bounded by the
-    # base-floor admission: packages/control/README.md, "Demand and admissions".
-    control = preset(config.policy).with_engine_admission()
-    if config.queue_fast_after_s is not None:
-        control = control.with_precision(queue_fast_s=config.queue_fast_after_s)
-    return Arbiter(control, a_max)
 
 
 def _eos_ids(tokenizer: Any, hf_config: dict) -> set[int]:

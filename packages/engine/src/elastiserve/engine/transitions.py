@@ -143,3 +143,19 @@ class Transitions:
             self.events.add(now, step, "mode_fast", len(entered))
         if left:
             self.events.add(now, step, "mode_full", len(left))
+
+
+def make_policy(config: EngineConfig):
+    """The control package's arbiter for ``config.policy``, with the engine's admission rule."""
+    from elastiserve.control.arbiter import Arbiter
+    from elastiserve.control.config import preset
+    from elastiserve.control.kv_fidelity import capacity_guard
+
+    a_max = capacity_guard(config.max_num_seqs, config.max_num_batched_tokens, config.block_size)
+    # D_t counts the prompts the next step would admit, as the paper's dry run of the native scheduler does (H200,
+    # quarter-scale dense, concurrency 48: 0 preemptions, P90 TTFT 1.03 s; static-fp16 755, 9.88 s), bounded by the
+    # base-floor admission: packages/control/README.md, "Demand and admissions".
+    control = preset(config.policy).with_engine_admission()
+    if config.queue_fast_after_s is not None:
+        control = control.with_precision(queue_fast_s=config.queue_fast_after_s)
+    return Arbiter(control, a_max)
