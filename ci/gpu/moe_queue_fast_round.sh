@@ -9,6 +9,7 @@
 # the 14 point was the step budget's lock (packages/control/src/elastiserve/control/step_budget.py), since fixed.
 # Session 12 ran it four times (BENCHMARKS.md, "Session 12").
 # Session 13 ran it three times: 512 slots, combined at 24 req/s, 3,072-token chunks (BENCHMARKS.md, "Session 13").
+# Session 14 ran it twice at 3,072-token chunks (BENCHMARKS.md, "Session 14").
 source ci/gpu/bootstrap.sh
 set +e
 start_round
