@@ -50,7 +50,8 @@ def test_cpu(session: nox.Session) -> None:
     session.install(*[p for p in ENGINE_EXTRAS if not p.startswith(("llm-", "sharegpt"))])
     _install_packages(session, offline=False)
     env = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    session.run("python", "-m", "pytest", "--device=cpu", "-p", "no:cacheprovider", *session.posargs, env=env)
+    pytest_args = ("--device=cpu", "-p", "no:cacheprovider", "--durations=25", *session.posargs)
+    session.run("python", "-m", "pytest", *pytest_args, env=env)
 
 
 def _inherit_host_site_packages(session: nox.Session) -> None:

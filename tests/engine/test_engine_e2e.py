@@ -405,6 +405,7 @@ class AsciiVocab:
         return bytes(i for i in ids if i < 128).decode()
 
 
+@pytest.mark.cuda
 def test_guided_requests_survive_preemption_and_stop_when_complete(tiny_llama, device):
     """Two guided requests that cannot both hold their blocks: one is preempted and recomputed, and both outputs are
     still documents of the grammar (or, at max_tokens, alive prefixes of one); a document that completes ends the

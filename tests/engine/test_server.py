@@ -373,6 +373,8 @@ def test_chat_stream_and_non_stream(served):
         ({"model": MODEL, "prompt": "hi", "logprobs": True}, "logprobs"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
+        ({"model": MODEL, "prompt": "def f(", "suffix": "    return x"}, "suffix"),
+        ({"model": MODEL, "prompt": "hi", "suffix": 3}, "suffix"),
     ],
 )
 def test_bad_completion_requests_get_400(served, body, param):

@@ -187,6 +187,8 @@ def parse_completion(body: Any) -> ParsedRequest:
     prompts = _parse_prompts(body.get("prompt"))
     stream, include_usage = _stream_flags(body)
     echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
+    if _check_type(body, "suffix", (str,), "a string"):  # refused, not dropped: the text after it would be wrong
+        raise BadRequest("'suffix' (fill-in-the-middle) is not supported", param="suffix", code="unsupported")
     sampling = _parse_sampling(body, ("max_tokens",))
     n, best_of = _parse_choices(body, stream, sampling)
     if len(prompts) * best_of > MAX_CANDIDATES:
