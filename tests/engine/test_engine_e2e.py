@@ -418,10 +418,15 @@ def test_guided_requests_survive_preemption_and_stop_when_complete(tiny_llama, d
     pool = engine.kv.pool
     params = SamplingParams(temperature=0.0, max_tokens=12, guide=grammar)
     block = block_size_for(device)
-    needs = [-(-(len(p) + params.max_tokens) // block) for p in (PROMPTS[0], PROMPTS[2])]
-    pool.allocate(pool.num_blocks - max(needs), False)  # each fits alone, both together do not
-    engine.add_request("r0", PROMPTS[0], params)
-    engine.add_request("r2", PROMPTS[2], params)
+    # Two prompts of two blocks less a token: both prefills fit, each request fits alone, and the shortest document
+    # (6 tokens) takes each into its third block, which the two cannot both have (on a GPU's 16-token blocks too).
+    prompts = [[(5 * i + j) % 120 for j in range(2 * block - 1)] for i in (1, 2)]
+    alone = -(-(2 * block - 1 + params.max_tokens) // block)
+    free = max(4, alone)
+    assert 2 * -(-(2 * block - 1 + 6) // block) > free
+    pool.allocate(pool.num_blocks - free, False)
+    engine.add_request("r0", prompts[0], params)
+    engine.add_request("r2", prompts[1], params)
     finished = {}
     while engine.has_unfinished():
         for out in engine.step():
