@@ -3,8 +3,9 @@
 
 - ``response_format``: ``{"type": "text"}`` (nothing), ``{"type": "json_object"}`` (one JSON object),
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (JSON valid under the schema).
-- vLLM's ``guided_json`` (a schema or its JSON text) and ``guided_choice`` (the output is exactly one of the
-  strings). ``guided_regex`` and ``guided_grammar`` are refused with a 400 rather than ignored.
+- vLLM's ``guided_json`` (a schema or its JSON text), ``guided_choice`` (the output is exactly one of the
+  strings) and ``guided_regex`` (the whole output matches the regex; the subset ``guided.regex_syntax`` lists, any
+  other construct a 400 naming it). ``guided_grammar`` is refused with a 400 rather than ignored.
 - chat's ``tools`` and ``tool_choice``: ``"none"`` (tools not offered), ``"auto"`` (offered; ``<tool_call>`` blocks in
   the output become ``tool_calls``), ``"required"`` or a named function (the output is forced, by a grammar, to one
   JSON call ``{"name": ..., "arguments": ...}`` of one of the tools / of that tool, its arguments valid under the
@@ -21,11 +22,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastiserve.engine import protocol
-from elastiserve.engine.guided.grammar import Grammar, choice_grammar, json_object_grammar, json_schema_grammar
+from elastiserve.engine.guided.grammar import (
+    Grammar,
+    choice_grammar,
+    json_object_grammar,
+    json_schema_grammar,
+    regex_grammar,
+)
 from elastiserve.engine.guided.schema import SchemaError
 from elastiserve.engine.protocol import BadRequest, ParsedRequest
 
-UNSUPPORTED_GUIDES = ("guided_regex", "guided_grammar")
+UNSUPPORTED_GUIDES = ("guided_grammar",)
+GUIDES = ("response_format", "guided_json", "guided_choice", "guided_regex")
 MAX_TOOLS = 128
 
 
@@ -70,9 +78,10 @@ def parse_guide(body: dict) -> Grammar | None:
     """The grammar the request's output must match, from whichever one of the guide fields it sets."""
     for name in UNSUPPORTED_GUIDES:
         if body.get(name) is not None:
-            raise BadRequest(f"'{name}' is not supported; use guided_json, guided_choice or response_format",
+            raise BadRequest(f"'{name}' is not supported; use guided_json, guided_choice, guided_regex or "
+                             "response_format",
                              param=name)
-    given = [name for name in ("response_format", "guided_json", "guided_choice") if body.get(name) is not None]
+    given = [name for name in GUIDES if body.get(name) is not None]
     if len(given) > 1:
         raise BadRequest(f"set only one of {', '.join(given)}", param=given[1])
     if not given:
@@ -82,6 +91,8 @@ def parse_guide(body: dict) -> Grammar | None:
         return _response_format(body[name])
     if name == "guided_json":
         return _compile(name, json_schema_grammar, _schema_value(body[name], name))
+    if name == "guided_regex":
+        return _compile(name, regex_grammar, body[name])
     return _compile(name, choice_grammar, body[name])
 
 

@@ -16,6 +16,9 @@ branch is picked before the bytes decide. Frames are flat tuples that start with
 - ``(ARRAY, node, phase, count, ws)``: ``count`` items so far (capped at ``minItems`` when there is no maximum).
 - ``(STRING, min, max, count, escape, utf8)``: inside a string; ``count`` characters (kept 0 when unbounded, so the
   unconstrained string's state never changes: the hot state of every mask cache).
+- ``(PATTERN, node, regex_state)``: inside a string constrained by a ``pattern``; ``regex_state`` is the node's
+  regex automaton's state over the raw bytes read since the opening quote (a separate frame, so the plain
+  ``STRING`` frame and its mask fast path stay as they were; a pattern string has no escapes, see ``schema``).
 - ``(NUMBER, integer, phase, digits)``, ``(LITERAL, options, pos)``: the options still matching after ``pos`` bytes.
 
 Whitespace is allowed at each structural position but at most ``max_whitespace`` bytes there, so a model cannot
@@ -29,11 +32,12 @@ from elastiserve.engine.guided.schema import (
     Node,
     NumberNode,
     ObjectNode,
+    PatternNode,
     StringNode,
     UnionNode,
 )
 
-VALUE, OBJECT, ARRAY, STRING, NUMBER, LITERAL = range(6)
+VALUE, OBJECT, ARRAY, STRING, NUMBER, LITERAL, PATTERN = range(7)
 END: tuple = ()
 EXTRA = -1
 # OBJECT phases
@@ -144,6 +148,8 @@ class JsonAutomaton:
             self._array(frame, parent, byte, out)
         elif tag == NUMBER:
             self._number(frame, parent, byte, out)
+        elif tag == PATTERN:
+            self._pattern(frame, parent, byte, out)
         else:
             self._literal(frame[1], frame[2], parent, byte, out)
 
@@ -163,6 +169,9 @@ class JsonAutomaton:
                 out.add(((ARRAY, index, FIRST, 0, 0), parent))
         elif isinstance(node, NumberNode):
             self._number((NUMBER, node.integer, START, 0), parent, byte, out)
+        elif isinstance(node, PatternNode):
+            if byte == 0x22:
+                out.add(((PATTERN, index, node.regex.start()), parent))
         else:
             self._literal(node.options, 0, parent, byte, out)
 
@@ -221,6 +230,16 @@ class JsonAutomaton:
         elif count < low:
             count += 1
         out.add(((STRING, low, high, count, 1 if byte == 0x5C else 0, lead or 0), parent))
+
+    def _pattern(self, frame: tuple, parent: tuple | None, byte: int, out: set) -> None:
+        regex = self.nodes[frame[1]].regex
+        if byte == 0x22:
+            if regex.accepts(frame[2]):
+                out.add(self.completed(parent))
+            return
+        state = regex.advance(frame[2], byte)  # the quote, backslash and control bytes have no edges here
+        if state:
+            out.add(((PATTERN, frame[1], state), parent))
 
     def _object(self, frame: tuple, parent: tuple | None, byte: int, out: set) -> None:
         _, index, phase, next_prop, ws, current = frame

@@ -1,7 +1,8 @@
 """Grammars: a compiled automaton with a key that names what it accepts.
 
-The same request shape (one schema, one choice list) compiles to the same ``Grammar`` object (an LRU keyed by the
-canonical JSON of the spec), so its transition memo and the engine's mask cache carry over from request to request.
+The same request shape (one schema, one choice list, one regex) compiles to the same ``Grammar`` object (an LRU
+keyed by the canonical JSON of the spec, or the regex's text), so its transition memo and the engine's mask cache
+carry over from request to request.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastiserve.engine.guided.automaton import JsonAutomaton
+from elastiserve.engine.guided.regex import RegexAutomaton, RegexError
 from elastiserve.engine.guided.schema import LiteralNode, SchemaCompiler, SchemaError, UnionNode
 
 MAX_CHOICES = 256
@@ -23,7 +25,7 @@ class Grammar:
     """What a guided request's output must be; ``key`` is readable and unique per distinct spec."""
 
     key: str
-    automaton: JsonAutomaton = field(repr=False)
+    automaton: JsonAutomaton | RegexAutomaton = field(repr=False)
 
     def matches(self, text: str) -> bool:
         return self.automaton.matches(text)
@@ -89,3 +91,18 @@ def choice_grammar(choices: Any) -> Grammar:
     if len(choices) > MAX_CHOICES:
         raise SchemaError(f"guided_choice takes at most {MAX_CHOICES} choices")
     return _choice_grammar(tuple(choices))
+
+
+@functools.lru_cache(maxsize=64)
+def _regex_grammar(pattern: str) -> Grammar:
+    automaton = RegexAutomaton(pattern)
+    if not automaton.can_match:
+        raise RegexError("the regex matches no string")
+    return Grammar(f"regex:{pattern}", automaton)
+
+
+def regex_grammar(pattern: Any) -> Grammar:
+    """Text that matches ``pattern`` as a whole (vLLM's ``guided_regex``); raises ``RegexError``."""
+    if not isinstance(pattern, str):
+        raise RegexError("guided_regex must be a string")
+    return _regex_grammar(pattern)

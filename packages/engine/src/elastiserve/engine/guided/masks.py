@@ -126,7 +126,8 @@ def string_room(state: frozenset) -> float | None:
     string's character count, whatever the stack beneath, so it is allowed exactly when it fits this room."""
     room = -1.0
     for config in state:
-        frame = config[0] if config else None
+        # A regex automaton's configurations are ints (NFA states): no string fast path for them.
+        frame = config[0] if type(config) is tuple and config else None
         if frame is None or frame[0] != STRING or frame[4] or frame[5]:
             return None
         room = max(room, math.inf if frame[2] is None else frame[2] - frame[3])

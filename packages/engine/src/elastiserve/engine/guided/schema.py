@@ -8,13 +8,20 @@ tuples and ``$ref`` cycles need no special case (a reference gets its index befo
   counts as false, as OpenAI's strict mode and xgrammar's default have it: the output still conforms.
 - ``ArrayNode``: ``items`` (one schema), ``minItems`` / ``maxItems``.
 - ``StringNode``: any string, ``minLength`` / ``maxLength`` in characters.
+- ``PatternNode``: a string whose characters match ``pattern`` (``regex``'s automaton over the raw bytes between the
+  quotes). ECMA's ``pattern`` is a search: an unanchored pattern may match anywhere, so a branch not starting with
+  ``^`` gets any text before it and one not ending with ``$`` any text after it (``"^[a-z]+$"`` is a whole match,
+  ``"[0-9]"`` means "contains a digit"). Such a string is written without escapes: the regex reads the raw bytes,
+  from which the quote, the backslash and control characters are left out (a pattern that needs one of them to
+  match anything is refused), and ``pattern`` together with ``minLength`` / ``maxLength`` is refused (the two could
+  leave a live prefix with no valid end).
 - ``NumberNode``: an integer or any JSON number.
 - ``LiteralNode``: a set of exact byte strings: ``enum`` / ``const`` values written as compact JSON, booleans,
   null, and ``guided_choice``'s raw texts.
 - ``UnionNode``: ``anyOf`` / ``oneOf`` (both read as anyOf: the automaton follows every branch at once, so
   overlapping branches are allowed, not excluded) and ``type`` lists.
 
-Keywords that change which documents are valid but are not supported (``pattern``, ``format``, ``minimum``, ...)
+Keywords that change which documents are valid but are not supported (``format``, ``minimum``, ...)
 raise ``UnsupportedSchema`` naming the keyword; descriptive ones (``title``, ``description``, ``examples``, ...)
 are ignored.
 """
@@ -22,7 +29,7 @@ are ignored.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastiserve.engine.errors import InvalidRequest
@@ -74,6 +81,12 @@ class StringNode:
 
 
 @dataclass(frozen=True, slots=True)
+class PatternNode:
+    regex: Any = field(compare=False)  # a regex.RegexAutomaton over the string's raw bytes
+    pattern: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class NumberNode:
     integer: bool
 
@@ -88,12 +101,15 @@ class UnionNode:
     options: tuple[int, ...]
 
 
-Node = ObjectNode | ArrayNode | StringNode | NumberNode | LiteralNode | UnionNode
+Node = ObjectNode | ArrayNode | StringNode | PatternNode | NumberNode | LiteralNode | UnionNode
 
 DESCRIPTIVE = frozenset({"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly", "$defs", "definitions"})
 SUPPORTED = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                       "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength"})
+                       "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength", "pattern"})
+# Bytes a pattern-constrained string never contains raw: the quote ends it, the backslash starts an escape, and
+# control characters must be escaped in JSON.
+NOT_IN_PATTERN_STRINGS = frozenset({*range(0x20), 0x22, 0x5C})
 JSON_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 
 
@@ -181,7 +197,7 @@ class SchemaCompiler:
             return "object"
         if "items" in schema or "minItems" in schema or "maxItems" in schema:
             return "array"
-        if "minLength" in schema or "maxLength" in schema:
+        if "minLength" in schema or "maxLength" in schema or "pattern" in schema:
             return "string"
         return None
 
@@ -204,6 +220,11 @@ class SchemaCompiler:
             values = [v for v in values if _json_type(v) in allowed]
             if not values:
                 raise SchemaError(f"{where}: no enum value has the type {types}", "enum")
+        if "pattern" in schema:  # the pattern applies to string values only
+            regex = _compile_pattern(schema["pattern"], where, frozenset())
+            values = [v for v in values if not isinstance(v, str) or regex.matches(v)]
+            if not values:
+                raise SchemaError(f"{where}: no enum value matches the pattern", "pattern")
         return self.add(LiteralNode(tuple(dict.fromkeys(compact_json(v) for v in values))))
 
     def _ref(self, ref: Any, where: str) -> int:
@@ -233,11 +254,23 @@ class SchemaCompiler:
             low, high = _bounds(schema, "minItems", "maxItems", where)
             return self.add(ArrayNode(self.compile(items, f"{where}.items"), low, high))
         if kind == "string":
+            if "pattern" in schema:
+                return self._pattern(schema, where)
             low, high = _bounds(schema, "minLength", "maxLength", where)
             return self.add(StringNode(low, high))
         if kind in ("integer", "number"):
             return self.add(NumberNode(kind == "integer"))
         return self.add(LiteralNode((b"true", b"false") if kind == "boolean" else (b"null",)))
+
+    def _pattern(self, schema: dict, where: str) -> int:
+        for name in ("minLength", "maxLength"):
+            if name in schema:
+                raise UnsupportedSchema(f"{where}: 'pattern' together with {name!r} is not supported", "pattern")
+        regex = _compile_pattern(schema["pattern"], where, NOT_IN_PATTERN_STRINGS)
+        if not regex.can_match:
+            raise UnsupportedSchema(f"{where}.pattern matches only strings that need JSON escapes (a quote, a "
+                                    "backslash or a control character), which pattern strings leave out", "pattern")
+        return self.add(PatternNode(regex, schema["pattern"]))
 
     def _object(self, schema: dict, where: str) -> int:
         properties = schema.get("properties", {})
@@ -262,6 +295,17 @@ class SchemaCompiler:
         if not properties and extra is None and "additionalProperties" not in schema:
             extra = self.any_value()  # {"type": "object"} alone: any object
         return self.add(ObjectNode(compiled, required_index, extra))
+
+
+def _compile_pattern(pattern: Any, where: str, excluded: frozenset[int]) -> Any:
+    from elastiserve.engine.guided import regex  # regex's errors subclass SchemaError: imported here, not above
+
+    if not isinstance(pattern, str):
+        raise SchemaError(f"{where}.pattern must be a string", "pattern")
+    try:
+        return regex.compile_regex(pattern, search=True, excluded=excluded)
+    except regex.RegexError as exc:
+        raise type(exc)(f"{where}.pattern {pattern!r}: {exc}") from exc
 
 
 def _bounds(schema: dict, low_name: str, high_name: str, where: str) -> tuple[int, int | None]:
