@@ -104,7 +104,7 @@ def test_whitespace_is_bounded():
 
 
 @pytest.mark.parametrize(("schema", "keyword"), [
-    ({"type": "string", "pattern": "a+"}, "pattern"),
+    ({"type": "string", "pattern": "a+", "minLength": 1}, "pattern"),
     ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}, "format"),
     ({"type": "integer", "minimum": 0}, "minimum"),
     ({"allOf": [{"type": "integer"}]}, "allOf"),

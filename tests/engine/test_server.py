@@ -633,6 +633,26 @@ def test_guided_choice_with_n_choices(served):
 
 
 @pytest.mark.parametrize("served", ["smollm2"], indirect=True)
+def test_guided_regex_output_matches_as_a_whole(served):
+    """completions and chat: the text matches the regex as re.fullmatch does, and ends once nothing may follow; a
+    schema's ``pattern`` holds in the JSON string."""
+    phone = r"\d{3}-\d{4}"
+    out = served.client.completions.create(model=MODEL, prompt="Call me at", max_tokens=12, temperature=0.0,
+                                           extra_body={"guided_regex": phone}).choices[0]
+    assert re.fullmatch(phone, out.text) and out.finish_reason == "stop", out.text
+    answer = "(yes|no), [a-z]{1,8}\\."
+    full = served.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=16, temperature=1.0,
+        seed=3, extra_body={"guided_regex": answer}).choices[0]
+    assert re.fullmatch(answer, full.message.content) and full.finish_reason == "stop", full.message.content
+    schema = {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["zip"],
+              "additionalProperties": False}
+    out = served.client.completions.create(model=MODEL, prompt="The zip code as JSON:", max_tokens=20, temperature=0.0,
+                                           extra_body={"guided_json": schema}).choices[0]
+    assert re.fullmatch("[0-9]{5}", json.loads(out.text)["zip"]) and out.finish_reason == "stop", out.text
+
+
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)
 def test_tool_choice_required_and_named_give_tool_calls(served):
     """required: one call of one of the tools, arguments valid for it; named (streamed): that tool's call in the
     final delta; both finish with "tool_calls" and no content."""
@@ -674,12 +694,14 @@ def test_tool_results_and_earlier_calls_render_through_the_template(served):
 
 @pytest.mark.parametrize(("extra", "param", "words"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
-        "type": "string", "pattern": "a+"}}}}, "response_format", "pattern"),
+        "type": "string", "pattern": "(?=a)"}}}}, "response_format", "pattern"),
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
     ({"guided_json": '{"type": "object", "properties": {"d": {"format": "date"}}}'}, "guided_json", "format"),
     ({"guided_json": "{not json"}, "guided_json", "JSON"),
     ({"guided_choice": []}, "guided_choice", "non-empty"),
-    ({"guided_regex": "a+"}, "guided_regex", "not supported"),
+    ({"guided_regex": "(a)\\1"}, "guided_regex", "backreference"),
+    ({"guided_regex": "(a"}, "guided_regex", "')'"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
     ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice", "only one"),
     ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "nope"),

@@ -6,13 +6,14 @@ from __future__ import annotations
 import sys
 import time
 
-from elastiserve.engine.guided.grammar import json_object_grammar, json_schema_grammar
+from elastiserve.engine.guided.grammar import json_object_grammar, json_schema_grammar, regex_grammar
 from elastiserve.engine.guided.masks import Guide, MaskCache, TokenTable
 from elastiserve.engine.guided.vocab import vocabulary_bytes
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                           "code": {"type": "string", "maxLength": 12}},
           "required": ["name", "age"]}
+PATTERN = {"type": "object", "properties": {"id": {"type": "string", "pattern": "[0-9]"}}, "required": ["id"]}
 STATES = [  # (label, grammar, text fed before the mask)
     ("json_object, after '{'", json_object_grammar, '{'),
     ("json_object, after ':' (any value)", json_object_grammar, '{"a":'),
@@ -20,6 +21,13 @@ STATES = [  # (label, grammar, text fed before the mask)
     ("schema, inside a declared key", lambda: json_schema_grammar(SCHEMA), '{"na'),
     ("schema, inside an integer", lambda: json_schema_grammar(SCHEMA), '{"name":"x","age":1'),
     ("schema, inside a maxLength 12 string", lambda: json_schema_grammar(SCHEMA), '{"name":"x","age":1,"code":"ab'),
+    ("regex \\d{3}-\\d{4}, at the start", lambda: regex_grammar(r"\d{3}-\d{4}"), ""),
+    ("regex [a-z]+@[a-z]+\\.com, after 'ab'", lambda: regex_grammar(r"[a-z]+@[a-z]+\.com"), "ab"),
+    ("regex (yes|no), at the start", lambda: regex_grammar("(yes|no)"), ""),
+    ("regex .*, at the start", lambda: regex_grammar(".*"), ""),
+    ("regex .*, after 'x'", lambda: regex_grammar(".*"), "x"),
+    ("schema, inside a pattern string, not yet found", lambda: json_schema_grammar(PATTERN), '{"id":"a'),
+    ("schema, inside a pattern string, found", lambda: json_schema_grammar(PATTERN), '{"id":"a1'),
 ]
 
 

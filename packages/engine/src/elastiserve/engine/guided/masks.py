@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from elastiserve.engine.errors import InvalidRequest
-from elastiserve.engine.guided.automaton import DEAD, STRING
+from elastiserve.engine.guided.automaton import DEAD, PATTERN, STRING
 from elastiserve.engine.guided.grammar import Grammar
 
 
@@ -120,17 +120,27 @@ def walk(trie: _Trie, automaton, state: frozenset) -> list[int]:
     return allowed
 
 
-def string_room(state: frozenset) -> float | None:
+def string_room(state: frozenset, automaton=None) -> float | None:
     """When every configuration is inside a string between characters (no escape or UTF-8 sequence open): the most
     characters a plain token may add (inf without maxLength); None otherwise. A plain token only advances a
-    string's character count, whatever the stack beneath, so it is allowed exactly when it fits this room."""
+    string's character count, whatever the stack beneath, so it is allowed exactly when it fits this room. A
+    ``pattern`` string, or a regex automaton's state, counts as unbounded room when every plain character leads
+    back to the same state (``plain_invariant``: ``.*``, a searched pattern once found); other regex states get
+    no fast path (None)."""
     room = -1.0
     for config in state:
-        # A regex automaton's configurations are ints (NFA states): no string fast path for them.
-        frame = config[0] if type(config) is tuple and config else None
-        if frame is None or frame[0] != STRING or frame[4] or frame[5]:
+        if type(config) is not tuple:  # a regex automaton's NFA state ids
+            return math.inf if automaton is not None and automaton.plain_invariant(state) else None
+        frame = config[0] if config else None
+        if frame is None:
             return None
-        room = max(room, math.inf if frame[2] is None else frame[2] - frame[3])
+        if frame[0] == STRING and not frame[4] and not frame[5]:
+            room = max(room, math.inf if frame[2] is None else frame[2] - frame[3])
+        elif frame[0] == PATTERN and automaton is not None and \
+                automaton.nodes[frame[1]].regex.plain_invariant(frame[2]):
+            room = math.inf
+        else:
+            return None
     return room
 
 
@@ -161,7 +171,7 @@ class MaskCache:
 
     def compute(self, grammar: Grammar, state: frozenset) -> bytearray:
         table, automaton = self.table, grammar.automaton
-        room = string_room(state)
+        room = string_room(state, automaton)
         if room is not None:
             mask = bytearray(table.plain_upto(room))
             allowed = walk(table.special_trie, automaton, state)

@@ -27,6 +27,8 @@ from elastiserve.engine.guided.regex_syntax import (
     Parser,
     RegexError,
     UnsupportedRegex,
+    complement,
+    normalize,
 )
 
 __all__ = ["RegexAutomaton", "RegexError", "UnsupportedRegex", "compile_regex"]
@@ -36,6 +38,9 @@ MAX_PATTERN = 4096
 DEAD: frozenset = frozenset()
 SURROGATES = (0xD800, 0xDFFF)
 UTF8_LENGTH_ENDS = (0x7F, 0x7FF, 0xFFFF, 0x10FFFF)
+# The characters of ``masks.is_plain`` tokens: all but the quote, the backslash and control characters.
+PLAIN_CHARS = complement(normalize([(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]))
+MAX_INVARIANCE_PROBES = 4096  # byte steps spent proving a state plain-invariant; `.*` needs 25
 
 
 def _encode(code_point: int) -> bytes:
@@ -176,6 +181,9 @@ class RegexAutomaton:
         self._closures = self._close(builder.eps)
         self._initial = self._closures[start]
         self._memo: dict[tuple[frozenset, int], frozenset] = {}
+        # Bytes where some edge's range starts or ends: bytes between two cuts act alike in every NFA state.
+        self._cuts = sorted({b for out in self._edges for lo, hi, _ in out for b in (lo, hi + 1)})
+        self._invariant: dict[frozenset, bool] = {}
 
     def _prune(self, edges: list, eps: list) -> list[tuple[tuple[int, int, int], ...]]:
         """Byte edges into states that cannot reach the accepting one are dropped."""
@@ -243,6 +251,31 @@ class RegexAutomaton:
     def is_done(self, state: frozenset) -> bool:
         """Accepting and no byte continues (every kept state but the accepting one has a live byte edge)."""
         return state == {self.accept}
+
+    def plain_invariant(self, state: frozenset) -> bool:
+        """Whether every plain character (``PLAIN_CHARS``) leads from ``state`` back to it (``.*``, ``[^"]*``, a
+        searched pattern once matched): then a plain token is allowed there whatever its length, which is the masks'
+        fast path. Proved on one byte per class of bytes that no edge tells apart, so a few dozen steps."""
+        found = self._invariant.get(state)
+        if found is None:
+            budget = [MAX_INVARIANCE_PROBES]
+            found = bool(state) and all(self._run_returns(state, state, run, budget)
+                                        for lo, hi in PLAIN_CHARS for run in utf8_runs(lo, hi))
+            self._invariant[state] = found
+        return found
+
+    def _run_returns(self, target: frozenset, current: frozenset, run: list, budget: list[int]) -> bool:
+        if not run:
+            return current == target
+        lo, hi = run[0]
+        for byte in [lo, *(c for c in self._cuts if lo < c <= hi)]:
+            budget[0] -= 1
+            if budget[0] < 0:
+                return False
+            nxt = self.advance(current, byte)
+            if not nxt or not self._run_returns(target, nxt, run[1:], budget):
+                return False
+        return True
 
     @property
     def can_match(self) -> bool:

@@ -4,7 +4,7 @@ bounded or unbounded repetitions, with characters as Unicode code points.
 Supported: literals; ``.`` (any character but ``\\n``); classes ``[...]`` with ranges and ``^`` negation; the escapes
 ``\\d \\w \\s \\D \\W \\S`` (ASCII meanings, as Python's ``re.ASCII``: ``\\d`` is ``[0-9]``), ``\\n \\t \\r \\f \\v
 \\0 \\a``, ``\\xHH``, ``\\uXXXX``, ``\\UXXXXXXXX`` and any escaped punctuation; groups ``( )``, ``(?: )`` and named
-groups (read as plain groups: nothing is captured); ``|``; ``* + ? {m} {m,} {m,n} {,n}``, each optionally lazy
+groups (read as plain groups: nothing is captured); ``|``; ``* + ? {m} {m,} {m,n} {,n} {,}``, each optionally lazy
 (``*?``: matching is all-or-nothing here, so lazy and greedy accept the same strings); ``^`` at the start and ``$`` at
 the end of a top-level alternative. Everything else (backreferences, lookaround, ``\\b``, atomic groups, possessive
 quantifiers, inline flags, ``\\p{..}``) raises ``UnsupportedRegex`` naming the construct, never a silent
@@ -150,7 +150,7 @@ class Parser:
         if close < 0:
             return None
         low, comma, high = self.text[self.pos + 1:close].partition(",")
-        if not (low.isdigit() or (comma and not low and high.isdigit())) or (high and not high.isdigit()):
+        if not (low.isdigit() or comma) or (low and not low.isdigit()) or (high and not high.isdigit()):
             return None
         if not low.isascii() or not high.isascii():
             return None
