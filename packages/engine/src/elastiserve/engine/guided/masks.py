@@ -20,6 +20,15 @@ inside a maxLength-12 string 3.0 ms (the first time that room is seen); with a w
 0.2-0.4 us. Walking the whole trie inside a string costs 68-78 ms instead, which is why the plain part is
 precomputed. Feeding a sampled token to its guide: 4-25 us with a cold memo. The sampler's side, masking 4 rows of
 CPU logits: 0.45 ms.
+
+Regex states (``guided_regex``; a ``pattern`` string's frame) take the same fast path when every plain character
+leads back to the same state (``RegexAutomaton.plain_invariant``, proved on one byte per byte class and memoised per
+state): ``.*``, a searched ``pattern`` once found. Other regex states walk the whole trie, pruned by the regex. On
+the same machine, a cache miss: ``\\d{3}-\\d{4}`` at the start 0.2 ms (10 tokens allowed), ``(yes|no)`` 0.3 ms,
+``[a-z]+@[a-z]+\\.com`` after ``ab`` 16-21 ms (11,639 allowed: letters pass deep into the trie), ``.*`` 0.2-1.1 ms
+with the fast path instead of 67-100 ms without; a ``pattern: "[0-9]"`` string before its digit 71-84 ms (no fast
+path: a digit changes the state), after it 0.1-1.1 ms. The LRU is shared by every request of an engine, so each of
+these is paid once per state, not per token.
 """
 
 from __future__ import annotations
