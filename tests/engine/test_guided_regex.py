@@ -2,7 +2,8 @@
 ``re.fullmatch`` (``re.ASCII``: ``\\d`` is ``[0-9]``) on hand-picked and exhaustively enumerated strings, UTF-8
 included; every prefix of a match is alive and a string that no match starts with is dead; ``is_done`` only when no
 byte can follow; unsupported constructs raise naming them; masks (the plain-token fast path included) equal a
-brute-force check of every token of a small vocabulary and of SmolLM2's; ``pattern`` strings search as ECMA does."""
+brute-force check of every token of a small vocabulary and of SmolLM2's, and the vectorised DFA run's masks equal the
+trie walk's (the reference) on both; ``pattern`` strings search as ECMA does."""
 
 from __future__ import annotations
 
@@ -162,14 +163,73 @@ def test_the_fast_path_applies_where_plain_characters_loop():
     assert plain.feed(plain.start(), b'"ab') == frozenset({((3, 0, None, 0, 0, 0), None)})  # the hot key as before
 
 
-def test_smollm2_regex_masks_equal_brute_force():
+PATTERN_SCHEMA = {"type": "object", "properties": {"id": {"type": "string", "pattern": "[0-9]"}}, "required": ["id"]}
+# Regex states without the fast path (the vectorised run) and with it, reached after a few bytes: UTF-8 classes,
+# mid-character states, pattern frames before and after their match, two pattern frames (or a pattern and a plain
+# string) in one state, and regexes whose DFA has many states (2**10 for the last a/b one).
+VECTORISED_CASES = [
+    (lambda: regex_grammar(r"\d{3}-\d{4}"), "123-4567"),
+    (lambda: regex_grammar(r"[a-z]+@[a-z]+\.com"), "ab@c.com"),
+    (lambda: regex_grammar(".*"), "é😀 a\tb"),
+    (lambda: regex_grammar("[à-é]+ñ?|[^a-c\n]{2}"), "àéñ"),
+    (lambda: regex_grammar("😀|日本語?"), "日本語"),
+    (lambda: regex_grammar("(a|b)*a(a|b){9}"), "abababababab"),
+    (lambda: regex_grammar("[a-z ]{1,40}x"), "ab cd eex"),
+    (lambda: json_schema_grammar(PATTERN_SCHEMA), '{"id":"aé1 b"}'),
+    (lambda: json_schema_grammar({"type": "string", "pattern": "^[a-zé]{2,5}@$"}), '"aéb@"'),
+    (lambda: json_schema_grammar({"anyOf": [{"type": "string", "pattern": "^a+1"}, {"type": "string",
+                                                                                   "pattern": "^a*b"}]}), '"aab"'),
+    (lambda: json_schema_grammar({"anyOf": [{"type": "string", "pattern": "^a+1"}, {"type": "string",
+                                                                                   "maxLength": 3}]}), '"aa1"'),
+]
+
+
+def assert_vectorised_equals_the_walk(table, grammar, state):
+    vectorised, reference = MaskCache(table), MaskCache(table, vectorised=False)
+    assert vectorised.mask(grammar, state) == reference.mask(grammar, state), state
+
+
+@pytest.mark.parametrize(("grammar", "text"), VECTORISED_CASES)
+def test_vectorised_masks_equal_the_trie_walk(grammar, text):
+    grammar = grammar()
+    table = TokenTable([*VOCAB, b"b", b"ba", b"aab", b"aaa", b"1", None, None], eos_ids=[EOS + 5])
+    automaton, state = grammar.automaton, grammar.automaton.start()
+    for byte in [None, *text.encode()]:  # before each byte of a valid output, mid-character states included
+        if byte is not None:
+            state = automaton.advance(state, byte)
+        assert_vectorised_equals_the_walk(table, grammar, state)
+    assert automaton.accepts(state)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2's vocabulary bytes and its token table (built once for this module's SmolLM2 tests)."""
     from elastiserve.engine.guided.vocab import vocabulary_bytes
     from elastiserve.engine.loader import smollm2_dir
     from elastiserve.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(smollm2_dir())
     vocab = vocabulary_bytes(tokenizer, tokenizer.vocab_size)
-    table = TokenTable(vocab, tokenizer.eos_token_ids)
+    return vocab, TokenTable(vocab, tokenizer.eos_token_ids)
+
+
+def test_smollm2_vectorised_masks_equal_the_trie_walk(smollm2):
+    _, table = smollm2
+    searched = json_schema_grammar(PATTERN_SCHEMA)
+    for grammar, prefix in [
+        (regex_grammar(r"\d{3}-\d{4}"), b""), (regex_grammar(r"\d{3}-\d{4}"), b"12"),
+        (regex_grammar(r"[a-z]+@[a-z]+\.com"), b"ab"), (regex_grammar(r"[a-z]+@[a-z]+\.com"), b"ab@c"),
+        (regex_grammar(".*"), b"\xc3"), (regex_grammar("[^\\n]*é[^\\n]{3}"), b"x\xc3\xa9a"),
+        (regex_grammar("[a-z ]{1,64}\\."), b"a"), (regex_grammar("(a|b)*a(a|b){9}"), b"ab"),
+        (searched, b'{"id":"a'), (searched, b'{"id":"a1'), (searched, b'{"id":"\xe6\x97'),
+    ]:
+        state = grammar.automaton.feed(grammar.automaton.start(), prefix)
+        assert state, prefix
+        assert_vectorised_equals_the_walk(table, grammar, state)
+
+
+def test_smollm2_regex_masks_equal_brute_force(smollm2):
+    vocab, table = smollm2
     cache = MaskCache(table)
     searched = json_schema_grammar({"type": "string", "pattern": "[0-9]"})
     for grammar, prefix in [(regex_grammar(".*"), b"ab"), (regex_grammar(r"[a-z]+@[a-z]+\.com"), b"ab@c"),

@@ -1,5 +1,6 @@
-"""``python -m elastiserve.engine.guided.bench [MODEL]``: mask times in the main automaton states on a model's
-vocabulary (SmolLM2 by default): the numbers quoted in ``masks``' docstring."""
+"""``python -m elastiserve.engine.guided.bench [MODEL [walk]]``: mask times in the main automaton states on a model's
+vocabulary (SmolLM2 by default): the numbers quoted in ``masks``' docstring. ``... MODEL walk``: regex states by the
+trie walk instead of the vectorised DFA run (the numbers before it)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,16 @@ STATES = [  # (label, grammar, text fed before the mask)
     ("regex .*, after 'x'", lambda: regex_grammar(".*"), "x"),
     ("schema, inside a pattern string, not yet found", lambda: json_schema_grammar(PATTERN), '{"id":"a'),
     ("schema, inside a pattern string, found", lambda: json_schema_grammar(PATTERN), '{"id":"a1'),
+    ("regex [a-z]+@[a-z]+\\.com, after 'ab@c'", lambda: regex_grammar(r"[a-z]+@[a-z]+\.com"), "ab@c"),
+    ("regex [^\\n]*é[^\\n]{3}, after 'x'", lambda: regex_grammar(r"[^\n]*é[^\n]{3}"), "x"),
+    ("regex [a-z ]{1,64}\\. (a state per count), after 'a'", lambda: regex_grammar(r"[a-z ]{1,64}\."), "a"),
+    ("regex .* mid-character (no fast path), after 0xC3", lambda: regex_grammar(".*"), b"\xc3"),
 ]
 
 
-def main(model: str = "smollm2") -> None:
+def main(model: str = "smollm2", mode: str = "vectorised") -> None:
+    """``mode`` "walk": regex states by the trie walk alone (the reference), for the before/after numbers."""
+    vectorised = mode != "walk"
     from elastiserve.engine.loader import resolve_model_dir
     from elastiserve.engine.tokenizer import Tokenizer
 
@@ -42,10 +49,10 @@ def main(model: str = "smollm2") -> None:
     for label, make, prefix in STATES:
         grammar = make()
         guide = Guide(grammar, MaskCache(table))
-        guide.state = grammar.automaton.feed(guide.state, prefix.encode())
+        guide.state = grammar.automaton.feed(guide.state, prefix if isinstance(prefix, bytes) else prefix.encode())
         times = []
         for _ in range(5):  # a fresh cache each time: the miss's cost (the transition memo stays warm after one)
-            guide.cache = MaskCache(table)
+            guide.cache = MaskCache(table, vectorised=vectorised)
             start = time.perf_counter()
             mask = guide.allowed()
             times.append(time.perf_counter() - start)
