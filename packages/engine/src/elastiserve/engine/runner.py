@@ -146,9 +146,8 @@ class ModelRunner:
             return StepOutput(out, prompt_logprobs=prompt)
         logits = self.model.compute_logits(hidden[last_rows[inputs.sample_indices]])
         generators = [self._generator(r, p) for r, p in zip(inputs.request_ids, inputs.sample_params)]
-        allowed = inputs.sample_allowed if any(a is not None for a in inputs.sample_allowed) else None
         sampled = self.sampler(logits, inputs.sample_params, generators, inputs.sample_histories, inputs.sample_bans,
-                               allowed)
+                               inputs.sample_allowed)
         for i, token in zip(inputs.sample_indices, sampled.tolist()):
             out[i] = int(token)
         step = StepOutput(out, prompt_logprobs=prompt)

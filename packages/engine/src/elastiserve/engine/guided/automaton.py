@@ -27,6 +27,7 @@ spin on spaces forever; digits are bounded too (``MAX_DIGITS`` in the integer an
 
 from __future__ import annotations
 
+from elastiserve.engine.guided.byte_automaton import ByteAutomaton
 from elastiserve.engine.guided.schema import (
     ArrayNode,
     Node,
@@ -53,7 +54,6 @@ WHITESPACE = frozenset(b" \t\n\r")
 ESCAPES = frozenset(b'"\\/bfnrt')
 HEX = frozenset(b"0123456789abcdefABCDEF")
 FREE_KEY = (STRING, 0, None, 0, 0, 0)  # an additional property's key
-DEAD: frozenset = frozenset()
 
 
 def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
@@ -73,46 +73,23 @@ def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
     return None
 
 
-class JsonAutomaton:
+class JsonAutomaton(ByteAutomaton):
     """``start()`` gives the initial state, ``advance(state, byte)`` the next one (``DEAD`` when no configuration
-    survives); transitions are memoised per (state, byte), so walking a token trie from a state it has seen costs a
-    dictionary lookup per byte."""
+    survives), memoised (``ByteAutomaton``)."""
 
     def __init__(self, nodes: list[Node], root: int, max_whitespace: int = 8) -> None:
         self.nodes = nodes
         self.root = root
         self.max_whitespace = max_whitespace
-        self._memo: dict[tuple[frozenset, int], frozenset] = {}
+        super().__init__()
         # No whitespace before the document: its first byte is the value's (and guided_choice's texts are exact).
         self._initial = frozenset({((VALUE, root, max_whitespace), None)})
 
-    def start(self) -> frozenset:
-        return self._initial
-
-    def advance(self, state: frozenset, byte: int) -> frozenset:
-        key = (state, byte)
-        found = self._memo.get(key)
-        if found is None:
-            out: set = set()
-            for config in state:
-                self._step(config, byte, out)
-            found = frozenset(out) if out else DEAD
-            if len(self._memo) > 200_000:  # a bound on memory (some 40 MB) for grammars with many counting states
-                self._memo.clear()
-            self._memo[key] = found
-        return found
-
-    def feed(self, state: frozenset, data: bytes) -> frozenset:
-        for byte in data:
-            state = self.advance(state, byte)
-            if not state:
-                return DEAD
-        return state
-
-    def matches(self, text: str | bytes) -> bool:
-        """Whether ``text`` is a whole document of this grammar (tests, and checking a finished output)."""
-        data = text.encode() if isinstance(text, str) else text
-        return self.accepts(self.feed(self.start(), data))
+    def _transition(self, state: frozenset, byte: int) -> frozenset:
+        out: set = set()
+        for config in state:
+            self._step(config, byte, out)
+        return frozenset(out)
 
     def accepts(self, state: frozenset) -> bool:
         """The document may end here (EOS is allowed)."""

@@ -46,7 +46,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from elastiserve.engine.errors import InvalidRequest
-from elastiserve.engine.guided.automaton import DEAD, PATTERN, STRING
+from elastiserve.engine.guided.automaton import PATTERN, STRING
+from elastiserve.engine.guided.byte_automaton import DEAD
 from elastiserve.engine.guided.grammar import Grammar
 from elastiserve.engine.guided.regex import RegexAutomaton
 from elastiserve.engine.guided.vector_masks import TokenMatrix, dense_dfa

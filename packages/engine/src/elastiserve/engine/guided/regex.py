@@ -18,6 +18,7 @@ that is not ``^``-anchored and after one that is not ``$``-anchored.
 
 from __future__ import annotations
 
+from elastiserve.engine.guided.byte_automaton import DEAD, ByteAutomaton
 from elastiserve.engine.guided.regex_syntax import (
     ALT,
     ANYTHING,
@@ -35,7 +36,6 @@ __all__ = ["RegexAutomaton", "RegexError", "UnsupportedRegex", "compile_regex"]
 
 MAX_STATES = 20_000  # some 10 MB of Python lists; {m,n} copies its fragment, so large bounds meet this first
 MAX_PATTERN = 4096
-DEAD: frozenset = frozenset()
 SURROGATES = (0xD800, 0xDFFF)
 UTF8_LENGTH_ENDS = (0x7F, 0x7FF, 0xFFFF, 0x10FFFF)
 # The characters of ``masks.is_plain`` tokens: all but the quote, the backslash and control characters.
@@ -159,7 +159,7 @@ class _Builder:
         return start, end
 
 
-class RegexAutomaton:
+class RegexAutomaton(ByteAutomaton):
     """The interface of ``JsonAutomaton``: ``start``, ``advance``, ``feed``, ``matches``, ``accepts``, ``is_done``."""
 
     def __init__(self, pattern: str, search: bool = False, excluded: frozenset[int] = frozenset()) -> None:
@@ -167,6 +167,7 @@ class RegexAutomaton:
             raise RegexError("a regex must be a string")
         if len(pattern) > MAX_PATTERN:
             raise RegexError(f"the regex is over {MAX_PATTERN} characters")
+        super().__init__()
         self.pattern = pattern
         branches = []
         for anchored_start, tree, anchored_end in Parser(pattern).parse():
@@ -180,7 +181,6 @@ class RegexAutomaton:
         self._edges = self._prune(builder.edges, builder.eps)
         self._closures = self._close(builder.eps)
         self._initial = self._closures[start]
-        self._memo: dict[tuple[frozenset, int], frozenset] = {}
         # Bytes where some edge's range starts or ends: bytes between two cuts act alike in every NFA state.
         self._cuts = sorted({b for out in self._edges for lo, hi, _ in out for b in (lo, hi + 1)})
         self._invariant: dict[frozenset, bool] = {}
@@ -216,34 +216,13 @@ class RegexAutomaton:
             closures.append(frozenset(s for s in seen if keep[s]) if state in self._live else DEAD)
         return closures
 
-    def start(self) -> frozenset:
-        return self._initial
-
-    def advance(self, state: frozenset, byte: int) -> frozenset:
-        key = (state, byte)
-        found = self._memo.get(key)
-        if found is None:
-            out: set[int] = set()
-            for source in state:
-                for lo, hi, target in self._edges[source]:
-                    if lo <= byte <= hi:
-                        out |= self._closures[target]
-            found = frozenset(out) if out else DEAD
-            if len(self._memo) > 200_000:  # the same bound on memory as JsonAutomaton's memo
-                self._memo.clear()
-            self._memo[key] = found
-        return found
-
-    def feed(self, state: frozenset, data: bytes) -> frozenset:
-        for byte in data:
-            state = self.advance(state, byte)
-            if not state:
-                return DEAD
-        return state
-
-    def matches(self, text: str | bytes) -> bool:
-        data = text.encode() if isinstance(text, str) else text
-        return self.accepts(self.feed(self.start(), data))
+    def _transition(self, state: frozenset, byte: int) -> frozenset:
+        out: set[int] = set()
+        for source in state:
+            for lo, hi, target in self._edges[source]:
+                if lo <= byte <= hi:
+                    out |= self._closures[target]
+        return frozenset(out)
 
     def accepts(self, state: frozenset) -> bool:
         return self.accept in state
