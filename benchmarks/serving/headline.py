@@ -163,6 +163,8 @@ def engine_settings(cfg: Setting, args: argparse.Namespace) -> dict[str, Any]:
         settings["mixed_graphs"] = True
     if args.max_step_time:
         settings["max_step_time_s"] = args.max_step_time
+    if args.no_gc_shadow:
+        settings["gc_in_step_shadow"] = False
     if args.device != "cpu":  # the CPU pool is sized by cpu_kv_blocks
         settings["kv_cache_budget"] = cfg.kv_cache_budget
         settings["gpu_memory_budget"] = cfg.gpu_memory_budget
@@ -314,6 +316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--queue-fast-after", type=float, default=None,
                    help="seconds: dps and combined run every layer in FP8 while a request has waited this long for "
                         "its first token (EngineConfig.queue_fast_after_s)")
+    p.add_argument("--no-gc-shadow", action="store_true",
+                   help="automatic garbage collection (EngineConfig.gc_in_step_shadow=False), as before session 15")
     p.add_argument("--t-base", type=float, default=None, help="seconds; default: measured in this run (moe)")
     p.add_argument("--max-duration", type=float, default=None, help="stop each sweep point after this many seconds")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

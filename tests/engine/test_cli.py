@@ -76,6 +76,7 @@ def test_serve_flags_reach_engine_settings():
             "0.11",
             "--queue-fast-after",
             "0.5",
+            "--no-gc-shadow",
             "--device",
             "cpu",
         ]
@@ -106,6 +107,7 @@ def test_serve_flags_reach_engine_settings():
         "queue_fast_after_s": 0.5,
         "mixed_graphs": True,
         "enable_prefix_caching": False,
+        "gc_in_step_shadow": False,
         "seed": 0,
         "cpu_kv_blocks": 512,
     }

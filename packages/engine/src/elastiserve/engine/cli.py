@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
                         "its first token, residuals kept (back to full with no restore)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of prompt prefixes (whole pairs of blocks) that earlier requests computed")
+    p.add_argument("--no-gc-shadow", dest="gc_in_step_shadow", action="store_false",
+                   help="leave garbage collection automatic (by default, on a GPU, its passes run while the device "
+                        "computes a step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-kv-blocks", type=int, default=512, help="KV pool size in blocks on the CPU")
 
@@ -73,7 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
 ENGINE_FIELDS = ("device", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
                  "host_backing_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "tensor_parallel_size", "load_format", "enforce_eager", "graph_capture_after", "mixed_graphs",
-                 "max_step_time_s", "queue_fast_after_s", "enable_prefix_caching", "seed", "cpu_kv_blocks")
+                 "max_step_time_s", "queue_fast_after_s", "enable_prefix_caching", "gc_in_step_shadow", "seed",
+                 "cpu_kv_blocks")
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -45,6 +45,9 @@ class EngineConfig:
     # Reuse the KV of complete pairs whose tokens (and every token before them) match an earlier request's
     # (prefix_cache.py). While weight residuals are evicted, unused pairs are not retained (restore needs the units).
     enable_prefix_caching: bool = False
+    # On a GPU, the collector's passes run after a step's forward is queued, while the device works, instead of
+    # wherever an allocation trips them (gc_watch.py); False: CPython's automatic collection.
+    gc_in_step_shadow: bool = True
     seed: int = 0
     host_backing_bytes: int | None = None  # host memory for demoted pairs' low bytes; None: as large as the KV pool
     sink_pairs: int = 1  # leading pairs of each sequence never demoted (attention sinks)

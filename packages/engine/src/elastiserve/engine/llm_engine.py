@@ -124,6 +124,9 @@ class LLMEngine:
         self._gc_frozen = self.runner.device.type == "cuda"
         if self._gc_frozen:
             freeze_start_up()
+            if config.gc_in_step_shadow:
+                self.gc_watch.take_over()
+                self.runner.host_work_in_shadow = self.gc_watch.collect_due
         self.gc_watch.install()
         self._gc_mark = self.gc_watch.total_s
 
@@ -228,6 +231,7 @@ class LLMEngine:
         transitions.update_queue_fast()
         transitions.sync_mode(step, self._budget_defers(batch))
         if batch.is_empty:
+            self.gc_watch.collect_due()  # an idle engine has no device shadow: its passes run here
             return []
         start = time.perf_counter()
         out = self.runner.execute(batch, self.kv)  # ends on the sampled tokens' read-back: device work included

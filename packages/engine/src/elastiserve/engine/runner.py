@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,6 +65,9 @@ class ModelRunner:
         self._inflight_promotions: list[tuple[list[PromoteOp], object]] = []
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._demote_copy_done: object | None = None
+        # Host work that fits in the device's time on a step (the engine's garbage collection, gc_watch.py): called
+        # once the step's forward is queued, before anything reads its results back.
+        self.host_work_in_shadow: Callable[[], object] | None = None
         use_graphs = device.type == "cuda" and not config.enforce_eager
         mixed = (mixed_token_buckets(config.max_num_batched_tokens), mixed_seq_buckets(config.max_num_seqs)) \
             if config.mixed_graphs else None
@@ -138,6 +142,8 @@ class ModelRunner:
             metadata = self.load_inputs(inputs)
             hidden = self.forward(metadata.slot_mapping.shape[0], metadata)
             last_rows = metadata.query_start_loc[1:] - 1
+        if self.host_work_in_shadow is not None:  # the forward is queued: the host would only wait for the device
+            self.host_work_in_shadow()
         out: list[int | None] = [None] * num_seqs
         if not sample:  # tensor-parallel workers: rank 0 computes logits and samples
             return StepOutput(out)
