@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from elastiserve.memory.errors import BlockStateError, ConfigError, PoolExhausted
 
@@ -27,8 +28,10 @@ class UnitSet(StrEnum):
     RESTORING = "restoring"
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class ResidualChunk:
+class ResidualChunk(NamedTuple):
+    """One unit-sized piece of a layer's residual. A tuple, so that its hash is C's: the bookkeeping hashes chunks
+    in every dict it keeps, and a frozen dataclass's generated ``__hash__`` was a third of an eviction's time."""
+
     layer: int
     index: int
 
@@ -282,15 +285,34 @@ class SumState:
 
     def evict_layers(self, layers: Iterable[int]) -> list[int]:
         """Make the residuals of ``layers`` stale and hand their BACKED units to KV as FREE units."""
+        # The same steps as _take_backed + _move per unit, in bulk: evicting Qwen3-30B-A3B's 48 layers (19,008 units)
+        # took 18 ms between two steps on the H200's host (session 15), 59 ms on the CI's CPU; this takes a third.
+        layers = list(layers)
+        if missing := [layer for layer in layers if layer not in self._chunks_per_layer]:
+            raise BlockStateError(f"layers {missing} have no residual")
         freed: list[int] = []
+        free_units, backed_units, where = self._sets[UnitSet.FREE], self._sets[UnitSet.BACKED], self._where
         for layer in layers:
-            if layer not in self._chunks_per_layer:
-                raise BlockStateError(f"layer {layer} has no residual")
-            for unit in list(self._backed_by_layer[layer]):
-                self._take_backed(unit)
-                self._move(unit, UnitSet.FREE)
-                self._kv_free_blocks += len(self._unit_blocks[unit])
-                freed.append(unit)
+            units = list(self._backed_by_layer[layer])
+            if not units:
+                continue
+            self._backed_by_layer[layer].clear()
+            chunks = [self._backed_chunk.pop(unit) for unit in units]  # a BACKED unit holds the chunk mapped there
+            self._stale_by_layer.setdefault(layer, {}).update(dict.fromkeys(chunks))
+            stale_at_unit, in_place = self._stale_at_unit, self._in_place
+            for unit, chunk in zip(units, chunks, strict=True):
+                at_unit = stale_at_unit.get(unit)
+                if at_unit is None:
+                    stale_at_unit[unit] = {chunk: None}
+                    in_place[chunk] = None  # FREE now: a stale chunk mapped here restores without a remap
+                else:
+                    at_unit[chunk] = None
+                    in_place.update(at_unit)
+                del backed_units[unit]
+                where[unit] = UnitSet.FREE
+            free_units.update(dict.fromkeys(units))
+            self._kv_free_blocks += sum(map(len, map(self._unit_blocks.__getitem__, units)))
+            freed += units
         if freed:
             self._set_fast_layers("layers evicted")
         return freed
