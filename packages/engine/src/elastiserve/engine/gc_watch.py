@@ -3,10 +3,11 @@
 On the H200 (session 14, MoE headline, dps at 24 and 27 req/s, 3,072-token chunks) the engine's host time between
 two steps was 2.1 ms at the median and 5.0 ms at P99 of ~790 steps, but one gap per run, about 6 s in, took 17-18 ms
 with ~130 requests running (four runs of two calls; one run had a second, 10.8 ms at 11 s). Added to a 112 ms step
-it made a 129 ms gap, over the 123 ms TBT bound of the 131 requests running through it (52.0 % attainment). A
-collection of what was allocated since start-up's ``gc.freeze`` is the likely cause, not a proven one: the watch
-records every pass (generation, seconds), and the engine puts the collector's seconds into each step's record
-(``gc_s``), next to ``step_s``, for the bench timelines.
+it made a 129 ms gap, over the 123 ms TBT bound of the 131 requests running through it (52.0 % attainment). The
+watch records every pass (generation, seconds), and the engine puts the collector's seconds into each step's record
+(``gc_s``), next to ``step_s``, for the bench timelines. Session 15 read them: the collector ran 0.7 ms in that
+step (21 ms over the run); the gap was the residual eviction's bookkeeping (``SumState.evict_layers``, since done in
+bulk: 7.6 ms).
 
 On a GPU the engine also moves the collector's passes into the device's shadow (``take_over``): automatic
 collection is off, and the runner calls ``collect_due`` right after it has queued a step's forward, where the host
