@@ -97,7 +97,7 @@ def test_the_runner_hands_the_device_shadow_to_host_work_once_per_forward():
     calls = []
     try:
         assert gc.isenabled() and not engine.gc_watch.owns_collection  # the CPU keeps automatic collection
-        engine.runner.host_work_in_shadow = lambda: calls.append(engine.runner.sampler)
+        engine.runner.host_work_in_shadow = lambda: calls.append(engine.step_count)
         engine.add_request("a", [3] * 10, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         steps = 0
         while engine.has_unfinished():
