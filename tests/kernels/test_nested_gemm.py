@@ -148,9 +148,11 @@ def test_corrupted_lower_plane_is_caught(device):
     assert _rel_err(y, _exact(x, w, b)) > 1e-2
 
 
-def test_quantize_per_token_bit_exact(device):
+@pytest.mark.parametrize("k", [300, nested_gemm.QUANT_ONE_PASS_MAX_K + 77])  # one pass; the two-pass loop
+def test_quantize_per_token_bit_exact(device, k):
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(7, 300, generator=gen) * torch.logspace(-3, 3, 7)[:, None]).half().to(device)
+    x = (torch.randn(7, k, generator=gen) * torch.logspace(-3, 3, 7)[:, None]).half().to(device)
+    x[5, k - 1] = 3e4  # the row's maximum in its last element: the tail chunk counts
     x[3] = 0  # an all-zero row must not divide by zero
     q, scale = nested_gemm.quantize_per_token(x)
     q_ref, scale_ref = nested_gemm.quantize_per_token_ref(x)

@@ -38,7 +38,13 @@ MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
 # side (h200-gemm-config-probe-run3: qkv M=1 13.2 vs 13.4 us, M=16 13.1 vs 13.9; down M=1 28.0 vs 28.0, M=16 28.7 vs
 # 29.0), so sm90 keeps fp16 activations up to 16 rows. The grouped MoE GEMM was not probed that way: fp8 from row 1.
 FP8_MIN_M = {"sm90": 17}
+# Rows up to this long are quantized from registers in one read (16 warps: 32 fp32 values a thread). The two-pass
+# loop over 1,024-wide chunks it replaces read x twice with one program a row: on the H200 (session 16,
+# benchmarks/kernels/results/h200-vendor-fp8-s16) K = 14336 took 9.0 us at 16 rows and 88.9 us at 4,096 rows (175 MB
+# moved: 2.0 TB/s), K = 4096 3.1 us and 21.5 us.
+QUANT_ONE_PASS_MAX_K = 16384
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+_FP8_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e4m3fnuz: 2.0**-7}
 _SCALE_FLOOR = 1e-8
 
 
@@ -128,27 +134,47 @@ def _split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.con
 
 
 @triton.jit
+def _to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as the reference
+    if ROUND_IN_SOFTWARE:
+        # The Triton 3.6 interpreter's fp32 -> fp8 cast drops the carry when rounding crosses a power of two
+        # (126.8 -> 64). Round to 3 mantissa bits here (RNE on the fp32 bits) so the cast is exact; below the
+        # smallest normal the grid is fixed (MIN_NORMAL / 8): adding 1.5 * 2^23 steps rounds to it (RNE in fp32).
+        bits = q.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        magic = MIN_NORMAL * 0.125 * 12582912.0
+        small = ((tl.abs(q) + magic) - magic).to(tl.uint32, bitcast=True)
+        small = (small | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # q's sign, also on a zero
+        q = tl.where(tl.abs(q) < MIN_NORMAL, small, normal)
+    return q
+
+
+@triton.jit
 def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
-                               ROUND_IN_SOFTWARE: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        offs = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), FP8_MAX)
-    tl.store(scale_ptr + row, scale)
-    for k in range(0, K, BLOCK_K):
-        offs = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as the reference
-        if ROUND_IN_SOFTWARE:
-            # The Triton 3.6 interpreter's fp32 -> fp8 cast drops the carry when rounding crosses a power of two
-            # (126.8 -> 64). Round to 3 mantissa bits here (RNE on the fp32 bits) so the cast is exact.
-            bits = q.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-            q = bits.to(tl.float32, bitcast=True)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+                               MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, ONE_PASS: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
+    if ONE_PASS:  # the whole row in registers: one read of x
+        offs = tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), FP8_MAX)
+        tl.store(scale_ptr + row, scale)
+        q = _to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            offs = k + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), FP8_MAX)
+        tl.store(scale_ptr + row, scale)
+        for k in range(0, K, BLOCK_K):
+            offs = k + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            q = _to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
+            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 
 def activation_fp8_dtype(fnuz: bool) -> torch.dtype:
@@ -162,9 +188,13 @@ def quantize_per_token(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tenso
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        block_k = min(1024, triton.next_power_of_2(max(k, 16)))
+        one_pass = k <= QUANT_ONE_PASS_MAX_K
+        block_k = triton.next_power_of_2(max(k, 16)) if one_pass else 1024
+        num_warps = max(4, min(block_k // 512, current_platform().max_num_warps)) if one_pass else 4
         _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=_FP8_MAX[dtype],
-                                         ROUND_IN_SOFTWARE=triton_interpret(), BLOCK_K=block_k, num_warps=4)
+                                         MIN_NORMAL=_FP8_MIN_NORMAL[dtype], ROUND_IN_SOFTWARE=triton_interpret(),
+                                         ONE_PASS=one_pass, BLOCK_K=block_k,
+                                         num_warps=num_warps)
     return q, scale
 
 

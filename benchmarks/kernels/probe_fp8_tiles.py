@@ -1,0 +1,116 @@
+"""One-shot GPU probe: fast mode's fp8 GEMM tiles from 32 to 4,096 rows, against ``_scaled_mm`` and the table's tile.
+
+Per (shape, M): cuBLAS fp16 and ``_scaled_mm`` on pre-quantized per-tensor operands (the vendor's best case), the
+per-token quantizer alone, the tile ``configs.choose_config`` picks today, and each candidate tile with split-K 1 and
+with the split that fills whole waves (``configs._split_for_occupancy``). Every time includes the quantizer, as a
+model's call does. CUDA-graph replay over weight copies past the L2 (the kernel benchmark's method).
+
+    python benchmarks/kernels/probe_fp8_tiles.py --out fp8_tiles.json [--shapes qkv down] [--m 64 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_nested_gemm import SHAPES, copies_for, graph_time_us, make_weights
+
+from elastiserve.kernels import configs, nested_gemm
+from elastiserve.kernels.formats import Nesting
+from elastiserve.platforms import current_platform
+
+G = configs.GemmConfig
+CANDIDATES = [  # block_m, block_n, block_k, warps, stages, swap_ab
+    (16, 64, 128, 4, 6, True), (32, 64, 256, 4, 4, True), (64, 64, 256, 4, 4, True), (32, 128, 128, 4, 4, True),
+    (64, 128, 128, 4, 4, True), (64, 128, 128, 4, 4, False), (64, 256, 128, 8, 3, False),
+    (128, 128, 128, 4, 4, False), (128, 128, 128, 8, 4, False), (128, 256, 128, 8, 3, False),
+    (256, 128, 128, 8, 3, False),
+]
+M_DEFAULT = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def candidates_for(m: int, n: int, k: int) -> list[configs.GemmConfig]:
+    """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split."""
+    out = []
+    for bm, bn, bk, warps, stages, swap in CANDIDATES:
+        if bm > max(32, 2 * m) or (m >= 1024 and bm < 64):
+            continue
+        config = G(bm, bn, bk, num_warps=warps, num_stages=stages, swap_ab=swap)
+        out.append(config)
+        tiles = -(-m // bm) * -(-n // bn)
+        split = configs._split_for_occupancy(tiles, -(-k // bk), current_platform().num_sms)
+        if split > 1:
+            out.append(replace(config, split_k=split))
+    return out
+
+
+def time_fp8(x, weights, config) -> float:
+    return graph_time_us([lambda c=c: nested_gemm.nested_gemm(x, c["upper"], c["lower"], None, Nesting.E4M3, "fp8",
+                                                               config=config) for c in weights])
+
+
+def time_baselines(x, weights) -> dict[str, float]:
+    x_scale = (x.abs().max().float() / 448).reshape(())
+    x8 = (x.float() / x_scale).to(torch.float8_e4m3fn)
+    return {
+        "torch_fp16": graph_time_us([lambda c=c: torch.matmul(x, c["w"].t()) for c in weights]),
+        "scaled_mm_pertensor": graph_time_us([lambda c=c: torch._scaled_mm(
+            x8, c["w8t"], scale_a=x_scale, scale_b=c["w_scale"], out_dtype=torch.float16) for c in weights]),
+        "quantize_per_token": graph_time_us([lambda: nested_gemm.quantize_per_token(x)] * len(weights)),
+        "table": time_fp8(x, weights, None),
+    }
+
+
+def probe_shape(name: str, n: int, k: int, m_values, out: list) -> None:
+    weights = make_weights(n, k, copies_for(n * k * 2))
+    platform = current_platform()
+    for m in m_values:
+        x = torch.randn(m, k, device="cuda").half()
+        row = {"shape": name, "N": n, "K": k, "M": m, "us": time_baselines(x, weights),
+               "table_config": asdict(configs.choose_config(platform.arch, "fp8", m, n, k, platform.num_sms)),
+               "candidates": []}
+        for config in candidates_for(m, n, k):
+            try:
+                us = time_fp8(x, weights, config)
+            except Exception as exc:  # out of shared memory, say: recorded, not timed
+                row["candidates"].append({"config": asdict(config), "error": str(exc)[:200]})
+                continue
+            row["candidates"].append({"config": asdict(config), "us": us})
+        timed = [c for c in row["candidates"] if "us" in c]
+        best = min(timed, key=lambda c: c["us"])
+        row["best"] = best
+        us = row["us"]
+        cfg = best["config"]
+        print(f"{name:20s} M={m:5d} fp16 {us['torch_fp16']:7.1f} scaled_mm {us['scaled_mm_pertensor']:7.1f} "
+              f"quant {us['quantize_per_token']:5.1f} table {us['table']:7.1f} ({us['torch_fp16'] / us['table']:.2f}x) "
+              f"best {best['us']:7.1f} ({us['torch_fp16'] / best['us']:.2f}x) {cfg['block_m']}x{cfg['block_n']}x"
+              f"{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']} swap{int(cfg['swap_ab'])} "
+              f"split{cfg['split_k']}", flush=True)
+        out.append(row)
+    del weights
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", nargs="+", default=["qkv", "o", "gate_up", "down"], help="Llama-3.1-8B linears")
+    parser.add_argument("--m", nargs="+", type=int, default=list(M_DEFAULT))
+    args = parser.parse_args(argv)
+    rows: list[dict] = []
+    for short in args.shapes:  # the file is rewritten after each shape, so a run cut by its time limit keeps them
+        name = f"llama3.1-8b.{short}"
+        probe_shape(name, *SHAPES[name], args.m, rows)
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                              "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
