@@ -1,11 +1,14 @@
-"""One-shot GPU probe: fast mode's fp8 GEMM tiles from 32 to 4,096 rows, against ``_scaled_mm`` and the table's tile.
+"""One-shot GPU probe: fast mode's fp8 GEMM tiles from 32 to 4,096 rows (or full mode's fused tiles below the rows
+where it materializes), against the vendor GEMMs and the table's tile.
 
 Per (shape, M): cuBLAS fp16 and ``_scaled_mm`` on pre-quantized per-tensor operands (the vendor's best case), the
 per-token quantizer alone, the tile ``configs.choose_config`` picks today, and each candidate tile with split-K 1 and
 with the split that fills whole waves (``configs._split_for_occupancy``). Every time includes the quantizer, as a
-model's call does. CUDA-graph replay over weight copies past the L2 (the kernel benchmark's method).
+model's call does. ``--mode full``: the fused full-mode kernel's tiles with the packed PTX decode (M below
+``configs.MATERIALIZE_MIN_M``), beside cuBLAS fp16 and the materialized path (``full_via_merged_weight``).
+CUDA-graph replay over weight copies past the L2 (the kernel benchmark's method).
 
-    python benchmarks/kernels/probe_fp8_tiles.py --out fp8_tiles.json [--shapes qkv down] [--m 64 256]
+    python benchmarks/kernels/probe_fp8_tiles.py --out fp8_tiles.json [--shapes qkv down] [--m 64 256] [--mode full]
 """
 
 from __future__ import annotations
@@ -33,29 +36,45 @@ CANDIDATES = [  # block_m, block_n, block_k, warps, stages, swap_ab
     (256, 128, 128, 8, 3, False),
 ]
 M_DEFAULT = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+FULL_CANDIDATES = [  # block_m, block_n, block_k, warps, stages (swap-AB, PTX decode)
+    (16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 32, 256, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4),
+    (32, 64, 256, 4, 3), (64, 64, 256, 4, 3), (32, 128, 128, 8, 3), (64, 128, 128, 8, 3),
+]
+FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 
 
-def candidates_for(m: int, n: int, k: int) -> list[configs.GemmConfig]:
+def candidates_for(m: int, n: int, k: int, mode: str = "fp8") -> list[configs.GemmConfig]:
     """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split."""
     out = []
-    for bm, bn, bk, warps, stages, swap in CANDIDATES:
-        if bm > max(32, 2 * m) or (m >= 1024 and bm < 64):
+    if mode == "full":
+        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True) for bm, bn, bk, w, s in FULL_CANDIDATES]
+    else:
+        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, swap_ab=swap) for bm, bn, bk, w, s, swap in CANDIDATES]
+    for config in tiles:
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        if bm > max(32, 2 * m) or (m >= 1024 and bm < 64) or (mode == "full" and bm < 16 * -(-m // 64)):
             continue
-        config = G(bm, bn, bk, num_warps=warps, num_stages=stages, swap_ab=swap)
         out.append(config)
-        tiles = -(-m // bm) * -(-n // bn)
-        split = configs._split_for_occupancy(tiles, -(-k // bk), current_platform().num_sms)
+        n_tiles = -(-m // bm) * -(-n // bn)
+        split = configs._split_for_occupancy(n_tiles, -(-k // bk), current_platform().num_sms)
         if split > 1:
             out.append(replace(config, split_k=split))
     return out
 
 
-def time_fp8(x, weights, config) -> float:
-    return graph_time_us([lambda c=c: nested_gemm.nested_gemm(x, c["upper"], c["lower"], None, Nesting.E4M3, "fp8",
+def time_mode(x, weights, config, mode: str = "fp8") -> float:
+    return graph_time_us([lambda c=c: nested_gemm.nested_gemm(x, c["upper"], c["lower"], None, Nesting.E4M3, mode,
                                                                config=config) for c in weights])
 
 
-def time_baselines(x, weights) -> dict[str, float]:
+def time_baselines(x, weights, mode: str) -> dict[str, float]:
+    if mode == "full":
+        return {
+            "torch_fp16": graph_time_us([lambda c=c: torch.matmul(x, c["w"].t()) for c in weights]),
+            "merged_full": graph_time_us([lambda c=c: nested_gemm.full_via_merged_weight(
+                x, c["upper"], c["lower"], None, Nesting.E4M3) for c in weights]),
+            "table": time_mode(x, weights, None, "full"),
+        }
     x_scale = (x.abs().max().float() / 448).reshape(())
     x8 = (x.float() / x_scale).to(torch.float8_e4m3fn)
     return {
@@ -63,21 +82,21 @@ def time_baselines(x, weights) -> dict[str, float]:
         "scaled_mm_pertensor": graph_time_us([lambda c=c: torch._scaled_mm(
             x8, c["w8t"], scale_a=x_scale, scale_b=c["w_scale"], out_dtype=torch.float16) for c in weights]),
         "quantize_per_token": graph_time_us([lambda: nested_gemm.quantize_per_token(x)] * len(weights)),
-        "table": time_fp8(x, weights, None),
+        "table": time_mode(x, weights, None),
     }
 
 
-def probe_shape(name: str, n: int, k: int, m_values, out: list) -> None:
+def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str) -> None:
     weights = make_weights(n, k, copies_for(n * k * 2))
     platform = current_platform()
     for m in m_values:
         x = torch.randn(m, k, device="cuda").half()
-        row = {"shape": name, "N": n, "K": k, "M": m, "us": time_baselines(x, weights),
-               "table_config": asdict(configs.choose_config(platform.arch, "fp8", m, n, k, platform.num_sms)),
+        row = {"shape": name, "N": n, "K": k, "M": m, "mode": mode, "us": time_baselines(x, weights, mode),
+               "table_config": asdict(configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)),
                "candidates": []}
-        for config in candidates_for(m, n, k):
+        for config in candidates_for(m, n, k, mode):
             try:
-                us = time_fp8(x, weights, config)
+                us = time_mode(x, weights, config, mode)
             except Exception as exc:  # out of shared memory, say: recorded, not timed
                 row["candidates"].append({"config": asdict(config), "error": str(exc)[:200]})
                 continue
@@ -87,8 +106,10 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list) -> None:
         row["best"] = best
         us = row["us"]
         cfg = best["config"]
-        print(f"{name:20s} M={m:5d} fp16 {us['torch_fp16']:7.1f} scaled_mm {us['scaled_mm_pertensor']:7.1f} "
-              f"quant {us['quantize_per_token']:5.1f} table {us['table']:7.1f} ({us['torch_fp16'] / us['table']:.2f}x) "
+        vendor = (f"merged {us['merged_full']:7.1f}" if mode == "full" else
+                  f"scaled_mm {us['scaled_mm_pertensor']:7.1f} quant {us['quantize_per_token']:5.1f}")
+        print(f"{name:20s} M={m:5d} fp16 {us['torch_fp16']:7.1f} {vendor} "
+              f"table {us['table']:7.1f} ({us['torch_fp16'] / us['table']:.2f}x) "
               f"best {best['us']:7.1f} ({us['torch_fp16'] / best['us']:.2f}x) {cfg['block_m']}x{cfg['block_n']}x"
               f"{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']} swap{int(cfg['swap_ab'])} "
               f"split{cfg['split_k']}", flush=True)
@@ -101,12 +122,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", nargs="+", default=["qkv", "o", "gate_up", "down"], help="Llama-3.1-8B linears")
-    parser.add_argument("--m", nargs="+", type=int, default=list(M_DEFAULT))
+    parser.add_argument("--m", nargs="+", type=int, default=None, help=f"rows (fp8: {M_DEFAULT}; full: "
+                        f"{FULL_M_DEFAULT})")
+    parser.add_argument("--mode", choices=("fp8", "full"), default="fp8")
     args = parser.parse_args(argv)
+    m_values = args.m or list(FULL_M_DEFAULT if args.mode == "full" else M_DEFAULT)
     rows: list[dict] = []
     for short in args.shapes:  # the file is rewritten after each shape, so a run cut by its time limit keeps them
         name = f"llama3.1-8b.{short}"
-        probe_shape(name, *SHAPES[name], args.m, rows)
+        probe_shape(name, *SHAPES[name], m_values, rows, args.mode)
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
     return 0

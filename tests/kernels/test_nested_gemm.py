@@ -9,6 +9,8 @@ full mode and its references in both fast modes; the activation quantizer is bit
 (M not a multiple of the tile), real Llama sizes on CUDA.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -148,10 +150,12 @@ def test_corrupted_lower_plane_is_caught(device):
     assert _rel_err(y, _exact(x, w, b)) > 1e-2
 
 
-@pytest.mark.parametrize("k", [300, nested_gemm.QUANT_ONE_PASS_MAX_K + 77])  # one pass; the two-pass loop
-def test_quantize_per_token_bit_exact(device, k):
+# One pass (short rows; long rows but few of them), then the two-pass loop (many long rows; rows over the limit).
+@pytest.mark.parametrize("m, k", [(7, 300), (7, 5000), (nested_gemm.QUANT_FEW_ROWS + 2, 5000),
+                                  (7, nested_gemm.QUANT_ONE_PASS_MAX_K + 77)])
+def test_quantize_per_token_bit_exact(device, m, k):
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(7, k, generator=gen) * torch.logspace(-3, 3, 7)[:, None]).half().to(device)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]).half().to(device)
     x[5, k - 1] = 3e4  # the row's maximum in its last element: the tail chunk counts
     x[3] = 0  # an all-zero row must not divide by zero
     q, scale = nested_gemm.quantize_per_token(x)
@@ -194,3 +198,22 @@ def test_launcher_rejects_bad_inputs(device):
         nested_gemm.nested_gemm(x, upper, lower, b, 0, "full")
     with pytest.raises(ValueError):
         nested_gemm.nested_gemm(x, upper, lower, b, 1, "full", weight_exp=5)
+
+
+@pytest.mark.parametrize("m", [17, 32, 64, 100, 256, 512, 4096])
+def test_sm90_fp8_tiles_split_only_long_k(m):
+    """sm90's fp8 rows from 17 rows (session 16's probe): wide N takes its own tile at 33-256 rows, split-K only at
+    K >= 8192 with >= 16 K blocks a split; other archs keep the bucketed table."""
+    from elastiserve.kernels import configs
+
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096)):
+        assert configs.choose_config("sm90", "fp8", m, n, k, 132).split_k == 1
+    down = configs.choose_config("sm90", "fp8", m, 4096, 14336, 132)
+    assert -(-14336 // down.block_k) >= configs.FP8_SPLIT_MIN_K_BLOCKS * down.split_k
+    if m <= 64:
+        assert down.split_k == 2  # 64 tiles of 64 weight rows: two splits fill the 132 SMs
+    narrow, wide = (configs.choose_config("sm90", "fp8", m, n, 4096, 132) for n in (6144, 28672))
+    assert (narrow != wide) == (32 < m <= 256)
+    assert narrow.block_m <= max(32, m) and wide.block_m <= max(32, 2 * m)
+    sm80 = configs.choose_config("sm80", "fp8", m, 6144, 4096, 108)
+    assert sm80 == replace(configs.TABLES["sm80"]["fp8"][configs.m_bucket(m)], split_k=sm80.split_k)

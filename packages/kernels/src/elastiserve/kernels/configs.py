@@ -110,6 +110,39 @@ _SM90: dict[str, dict[int, GemmConfig]] = {
     },
 }
 
+# fp8 on sm90 from 17 rows (fast mode's rows; nested_gemm.FP8_MIN_M): (most rows, tile up to N = 8192, tile for wider
+# N such as gate_up). From the H200 tile probe of session 16 (benchmarks/kernels/probe_fp8_tiles.py, raw
+# benchmarks/kernels/results/h200-fp8-tiles-s16.json; 11 tiles x split-K on the four Llama-3.1-8B linears, every time
+# with the quantizer): the bucketed rows above were 1.22-1.25x slower than each shape's best tile at 32-128 rows,
+# mostly from the occupancy split-K at K = 4096 (qkv at 64 rows: 18.3 us split 4, 12.1 us unsplit) and gate_up's
+# narrow tiles (64 rows: 52.5 -> 36.2 us). These rows are 1.00-1.15x of the per-shape best at every probed M.
+_FP8_SM90_ROWS = (
+    (32, _G(32, 64, 256, num_warps=4, num_stages=4), _G(32, 64, 256, num_warps=4, num_stages=4)),
+    (64, _G(64, 64, 256, num_warps=4, num_stages=4), _G(64, 128, 128, num_warps=4, num_stages=4, swap_ab=False)),
+    (128, _G(64, 64, 256, num_warps=4, num_stages=4), _G(128, 256, 128, num_warps=8, num_stages=3, swap_ab=False)),
+    (256, _G(128, 128, 128, num_warps=8, num_stages=4, swap_ab=False),
+     _G(128, 256, 128, num_warps=8, num_stages=3, swap_ab=False)),
+    (512, _G(128, 128, 128, num_warps=8, num_stages=4, swap_ab=False),
+     _G(128, 128, 128, num_warps=8, num_stages=4, swap_ab=False)),
+)
+_FP8_SM90_LARGE = _G(128, 256, 128, num_warps=8, num_stages=3, swap_ab=False)
+FP8_WIDE_N = 8192
+# Split-K pays for its fp32 partials and reduce launch only on long K: the down projection (K = 14336) at 32-64 rows
+# ran 24.6 / 25.7 us split in two against 27.8 / 28.8 unsplit; at K = 4096 no split won.
+FP8_SPLIT_MIN_K, FP8_SPLIT_MIN_K_BLOCKS = LONG_K, 16
+
+
+def _fp8_sm90_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
+    config = next((wide if n > FP8_WIDE_N else narrow for top, narrow, wide in _FP8_SM90_ROWS if m <= top),
+                  _FP8_SM90_LARGE)
+    if k >= FP8_SPLIT_MIN_K:
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        split = _split_for_occupancy(tiles, -(-k // config.block_k), num_sms, min_blocks=FP8_SPLIT_MIN_K_BLOCKS)
+        if split > 1:
+            config = replace(config, split_k=split)
+    return config
+
+
 # A100-class: no wgmma, 164 KB shared memory; same shapes with fewer stages. The PTX decode is sm90-timed only.
 _SM80 = {mode: {b: replace(c, num_stages=min(c.num_stages, 3), ptx_decode=False) for b, c in table.items()}
          for mode, table in _SM90.items()}
@@ -175,11 +208,11 @@ def choose_grouped_config(arch: str, mode: str, rows_per_expert: int, n: int, k:
 _tuned: dict[tuple[str, str, int, int, int], GemmConfig] = {}
 
 
-def _split_for_occupancy(tiles: int, k_blocks: int, num_sms: int, max_split: int = 8) -> int:
-    """Smallest split-K that best fills whole waves, keeping >= 4 K blocks per split."""
+def _split_for_occupancy(tiles: int, k_blocks: int, num_sms: int, max_split: int = 8, min_blocks: int = 4) -> int:
+    """Smallest split-K that best fills whole waves, keeping >= ``min_blocks`` K blocks per split."""
     best, best_eff = 1, tiles / (-(-tiles // num_sms) * num_sms)
     for split in range(2, max_split + 1):
-        if k_blocks < 4 * split:
+        if k_blocks < min_blocks * split:
             break
         total = tiles * split
         eff = total / (-(-total // num_sms) * num_sms)
@@ -196,6 +229,8 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) ->
     tuned = _tuned.get((arch, mode, n, k, bucket))
     if tuned is not None:
         return tuned
+    if arch == "sm90" and mode == "fp8" and m > 16:
+        return _fp8_sm90_config(m, n, k, num_sms)
     config = TABLES.get(arch, _SM80)[mode][bucket]
     if arch == "sm90" and bucket <= 16 and k >= LONG_K and mode in _DECODE_LONG_K_BY_MODE:  # sm90 smem only
         config = _DECODE_LONG_K_BY_MODE[mode]

@@ -38,11 +38,14 @@ MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
 # side (h200-gemm-config-probe-run3: qkv M=1 13.2 vs 13.4 us, M=16 13.1 vs 13.9; down M=1 28.0 vs 28.0, M=16 28.7 vs
 # 29.0), so sm90 keeps fp16 activations up to 16 rows. The grouped MoE GEMM was not probed that way: fp8 from row 1.
 FP8_MIN_M = {"sm90": 17}
-# Rows up to this long are quantized from registers in one read (16 warps: 32 fp32 values a thread). The two-pass
-# loop over 1,024-wide chunks it replaces read x twice with one program a row: on the H200 (session 16,
-# benchmarks/kernels/results/h200-vendor-fp8-s16) K = 14336 took 9.0 us at 16 rows and 88.9 us at 4,096 rows (175 MB
-# moved: 2.0 TB/s), K = 4096 3.1 us and 21.5 us.
+# A row is quantized from registers in one read of x (up to 16 warps: 32 fp32 values a thread) when it is short, or
+# when there are few rows; else a loop over 1,024-wide chunks reads it twice (4 warps, one program a row). On the
+# H200 (session 16, benchmarks/kernels/results/h200-vendor-fp8-s16.json and h200-fp8-tiles-s16.json): K = 4096 one
+# pass 2.2 us at 16-64 rows and 19.4 us at 4,096 rows against 3.1 / 21.5 us for the loop; K = 14336 one pass 5.1 us
+# at 32-128 rows against 9.0 us, but 16.5 / 38.8 / 178.8 us at 512 / 1,024 / 4,096 rows against the loop's 10.0 /
+# 17.4 / 88.9 us (512-thread programs holding a whole row: too few resident to hide the load's latency).
 QUANT_ONE_PASS_MAX_K = 16384
+QUANT_SHORT_K, QUANT_FEW_ROWS = 4096, 128
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 _FP8_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e4m3fnuz: 2.0**-7}
 _SCALE_FLOOR = 1e-8
@@ -188,7 +191,7 @@ def quantize_per_token(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tenso
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        one_pass = k <= QUANT_ONE_PASS_MAX_K
+        one_pass = k <= QUANT_SHORT_K or (k <= QUANT_ONE_PASS_MAX_K and m <= QUANT_FEW_ROWS)
         block_k = triton.next_power_of_2(max(k, 16)) if one_pass else 1024
         num_warps = max(4, min(block_k // 512, current_platform().max_num_warps)) if one_pass else 4
         _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=_FP8_MAX[dtype],
