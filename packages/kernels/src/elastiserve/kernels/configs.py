@@ -162,7 +162,15 @@ TABLES: dict[str, dict[str, dict[int, GemmConfig]]] = {
 # kernel repeats the decode per row tile and measured 0.12-0.17x of cuBLAS at M = 256 and 0.19-0.38x above on the
 # H200 (h200-nested-gemm-run1), against 0.45-0.52x at M = 64 where one pass over the weight dominates anyway.
 # The interpreter keeps the fused kernel at every M so the CPU tests exercise it.
-MATERIALIZE_MIN_M = {"sm90": 128, "sm89": 128, "sm80": 128, "gfx942": 128, "gfx950": 128}
+# sm90 from 65 rows: at 96 and 127 rows the materialized path took 41.4 / 30.9 / 178.0 / 95.5 us (qkv / o / gate_up /
+# down) against the fused kernel's best tile 49.4 / 32.6 / 192.7 / 103.7 us and the bucketed tile's 111.5-390.8 us;
+# at 64 rows the fused kernel still won (32.8 vs 40.1 us on qkv). Session 16's full-mode probe
+# (benchmarks/kernels/results/h200-full-tiles-s16.json).
+MATERIALIZE_MIN_M = {"sm90": 65, "sm89": 128, "sm80": 128, "gfx942": 128, "gfx950": 128}
+# sm90 full mode at 17-32 rows: the PTX decode tile with a 32-row token tile and no split-K ran 20.5-20.9 / 15.1-15.6 /
+# 69.9-71.0 / 45.0-46.5 us on the four Llama-3.1-8B linears, against 30.7-33.7 / 22.8-23.0 / 112.2-123.9 / 67.3-68.6 us
+# for the bucket-64 tile (same probe): 0.71-0.94x of cuBLAS fp16 instead of 0.48-0.60x.
+FULL_SM90_ROWS_32 = _G(32, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
 
 
 def materializes_full(arch: str, m: int) -> bool:
@@ -231,6 +239,8 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) ->
         return tuned
     if arch == "sm90" and mode == "fp8" and m > 16:
         return _fp8_sm90_config(m, n, k, num_sms)
+    if arch == "sm90" and mode == "full" and 16 < m <= 32:
+        return FULL_SM90_ROWS_32
     config = TABLES.get(arch, _SM80)[mode][bucket]
     if arch == "sm90" and bucket <= 16 and k >= LONG_K and mode in _DECODE_LONG_K_BY_MODE:  # sm90 smem only
         config = _DECODE_LONG_K_BY_MODE[mode]
