@@ -30,7 +30,10 @@ FP8_MMA_SQNR_FLOOR_DB = {Nesting.E4M3: 26.0, Nesting.E5M2: 20.0}
 def _shapes(device: torch.device) -> list[tuple[int, int, int]]:
     if device.type == "cpu":
         return [(1, 48, 40), (5, 48, 64), (33, 48, 40)]
-    return [(1, 4096, 4096), (256, 4096, 4096), (4096, 4096, 4096), (37, 6144, 4096), (16, 4096, 14336)]
+    # 24 and 32 rows: sm90's 32-row full-mode PTX tile and its fp8 rows from 17 (configs.FULL_SM90_ROWS_32,
+    # _FP8_SM90_ROWS); 96 rows: the fp8 rows' 128-row bucket and, through the op, the materialized full mode.
+    return [(1, 4096, 4096), (256, 4096, 4096), (4096, 4096, 4096), (37, 6144, 4096), (16, 4096, 14336),
+            (24, 6144, 4096), (32, 4096, 14336), (96, 28672, 4096)]
 
 
 def _problem(m, n, k, nesting, device, seed=0, bias=True):
@@ -165,13 +168,15 @@ def test_quantize_per_token_bit_exact(device, m, k):
 
 
 def test_op_matches_launcher(device):
-    x, _, b, upper, lower = _problem(5, 48, 40, Nesting.E4M3, device)
-    full = torch.ops.elastiserve.nested_linear(x, upper, lower, b, int(Nesting.E4M3), False)
-    fast = torch.ops.elastiserve.nested_linear(x, upper, lower, b, int(Nesting.E4M3), True)
-    fast_mode = nested_gemm.fast_mode_for(x.shape[0])
-    assert _rel_err(full, nested_gemm.nested_linear_ref(x, upper, lower, b, 1, "full")) < 1e-2
-    assert _rel_err(fast, nested_gemm.nested_linear_ref(x, upper, lower, b, 1, fast_mode)) < 1e-2
-    assert not torch.equal(full, fast)
+    # On a GPU also 96 rows: full mode there is the materialized weight and the vendor GEMM (MATERIALIZE_MIN_M).
+    for m, n, k in [(5, 48, 40)] + ([] if device.type == "cpu" else [(96, 4096, 4096)]):
+        x, _, b, upper, lower = _problem(m, n, k, Nesting.E4M3, device)
+        full = torch.ops.elastiserve.nested_linear(x, upper, lower, b, int(Nesting.E4M3), False)
+        fast = torch.ops.elastiserve.nested_linear(x, upper, lower, b, int(Nesting.E4M3), True)
+        fast_mode = nested_gemm.fast_mode_for(x.shape[0])
+        assert _rel_err(full, nested_gemm.nested_linear_ref(x, upper, lower, b, 1, "full")) < 1e-2, m
+        assert _rel_err(fast, nested_gemm.nested_linear_ref(x, upper, lower, b, 1, fast_mode)) < 1e-2, m
+        assert not torch.equal(full, fast)
 
 
 @pytest.mark.parametrize("fast", [False, True])
