@@ -652,31 +652,72 @@ def test_guided_regex_output_matches_as_a_whole(served):
     assert re.fullmatch("[0-9]{5}", json.loads(out.text)["zip"]) and out.finish_reason == "stop", out.text
 
 
+def streamed_answer(chunks):
+    """A streamed choice put together as a client does: (content, [(name, arguments)], ids, argument fragments,
+    finish reason); each call's start is checked to come first, once, with its id, and its fragments after it."""
+    content, calls, ids, fragments = "", [], [], 0
+    for chunk in chunks:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta and delta.content) or ""
+        for call in (delta and delta.tool_calls) or []:
+            if call.id is not None:  # a call's start: the next index, its name, no arguments yet
+                assert call.index == len(calls) and call.type == "function" and not call.function.arguments
+                calls.append([call.function.name, ""])
+                ids.append(call.id)
+            else:
+                assert call.index < len(calls) and call.function.name is None and call.function.arguments
+                calls[call.index][1] += call.function.arguments
+                fragments += 1
+    return content, [tuple(c) for c in calls], ids, fragments, chunks[-1].choices[0].finish_reason
+
+
+def check_city_calls(calls):
+    for name, arguments in calls:
+        assert name in ("get_weather", "get_time", "get_date"), name
+        parsed = json.loads(arguments)
+        assert set(parsed) == ({"city", "unit"} if name == "get_weather" else {"city"}), arguments
+        assert isinstance(parsed["city"], str) and len(parsed["city"]) <= 12
+
+
 @pytest.mark.parametrize("served", ["smollm2"], indirect=True)
-def test_tool_choice_required_and_named_give_tool_calls(served):
-    """required: one call of one of the tools, arguments valid for it; named (streamed): that tool's call in the
-    final delta; both finish with "tool_calls" and no content."""
-    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    full = served.client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0.0,
-                                                 tools=WEATHER_TOOLS, tool_choice="required").choices[0]
+def test_tool_choice_named_streams_the_call_as_it_is_generated(served):
+    """named: that tool's one call; streamed, its start then its arguments in several fragments, which add up to the
+    whole answer's arguments; both finish with "tool_calls" and no content."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "What is the time in Paris?"}], max_tokens=30,
+                temperature=0.0, tools=WEATHER_TOOLS, tool_choice=named)
+    full = served.client.chat.completions.create(**args).choices[0]
     assert full.finish_reason == "tool_calls" and full.message.content is None
     (call,) = full.message.tool_calls
-    assert call.id.startswith("call_") and call.type == "function"
-    arguments = json.loads(call.function.arguments)
-    if call.function.name == "get_weather":
-        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
-    else:
-        assert call.function.name == "get_time" and set(arguments) == {"city"}
-    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 12
-    chunks = list(served.client.chat.completions.create(
-        model=MODEL, messages=ask, max_tokens=30, temperature=0.0, tools=WEATHER_TOOLS, stream=True,
-        tool_choice={"type": "function", "function": {"name": "get_time"}}))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert not any(d.content for d in deltas)
-    (streamed,) = [call for d in deltas for call in d.tool_calls or []]
-    assert streamed.index == 0 and streamed.function.name == "get_time"
-    assert set(json.loads(streamed.function.arguments)) == {"city"}
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_time"
+    check_city_calls([(call.function.name, call.function.arguments)])
+    content, calls, ids, fragments, reason = streamed_answer(list(served.client.chat.completions.create(
+        **args, stream=True)))
+    assert content == "" and reason == "tool_calls" and ids[0].startswith("call_")
+    assert calls == [("get_time", call.function.arguments)] and fragments > 1
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}
+CITY_TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": CITY}},
+              {"type": "function", "function": {"name": "get_date", "parameters": CITY}}]  # a short prompt
+
+
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)
+def test_auto_tool_call_streams_between_content(served):
+    """auto: a <tool_call> block in the text (a regex makes SmolLM2 write one) is a call, the rest content; the stream
+    sends the content before it as it comes, then the call, and agrees with the whole answer."""
+    regex = r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"city": "[A-Z][a-z]{1,7}"\}\}</tool_call>'
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Time in Paris?"}], max_tokens=40,
+                temperature=0.0, tools=CITY_TOOLS, extra_body={"guided_regex": regex})
+    full = served.client.chat.completions.create(**args).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content == "Sure."
+    (call,) = full.message.tool_calls
+    check_city_calls([(call.function.name, call.function.arguments)])
+    content, calls, _, fragments, reason = streamed_answer(list(served.client.chat.completions.create(
+        **args, stream=True)))
+    assert content == "Sure. " and reason == "tool_calls" and fragments > 1
+    assert calls == [("get_time", call.function.arguments)]
 
 
 @pytest.mark.parametrize("served", ["smollm2"], indirect=True)

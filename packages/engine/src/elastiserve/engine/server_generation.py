@@ -7,7 +7,8 @@ the first's prefill and take the prompt's pairs from the cache (``LLMEngine.add_
 (``logprobs`` 0 when the client asked for none), and answers with the ``n`` of the highest mean log-probability per
 token; usage counts every candidate's tokens, as OpenAI bills them. A batch of completions prompts runs each prompt's
 candidates the same way, all at once; prompt ``p``'s choices take indices ``p * n`` on, and usage counts every
-prompt's tokens once.
+prompt's tokens once. A chat stream with tools sends each call as it is generated (``tool_calls.ToolCallStream``):
+its start, then its arguments in fragments, each delta a chunk of its own.
 """
 
 from __future__ import annotations
@@ -307,15 +308,16 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
             run = runs[i]
             text = run.feed(output)
             if run.tool_stream is not None:
-                text = run.tool_stream.feed(text)
-            if text:
+                await write_deltas(response, run, request_id, created, run.tool_stream.feed(text))
+            elif text:
                 await response.write(sse(protocol.chunk_body(req, request_id, created, text, None,
                                                              logprobs=run.take_logprobs(), index=run.index)))
             if run.finish_reason is not None:
                 remaining -= 1
                 reason = run.finish_reason
                 if run.tool_stream is not None:
-                    reason = await write_tool_calls(response, run, request_id, created)
+                    await write_deltas(response, run, request_id, created, run.tool_stream.finish())
+                    reason = tool_calls.finish_reason(run.tool_stream.calls, reason)
                 await response.write(sse(protocol.chunk_body(req, request_id, created, None, reason,
                                                              logprobs=run.take_logprobs(), index=run.index)))
     except EngineStepFailed as exc:
@@ -339,16 +341,15 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
     return response
 
 
-async def write_tool_calls(response: web.StreamResponse, run: RequestRun, request_id: str, created: int) -> str:
-    """A tool-using choice's last content and its calls (one delta), when its output has ended; its finish reason."""
-    rest, calls = run.tool_stream.finish()
-    if rest:
-        await response.write(sse(protocol.chunk_body(run.req, request_id, created, rest, None, index=run.index)))
-    if calls:
-        chunk = protocol.chunk_body(run.req, request_id, created, None, None, index=run.index)
-        chunk["choices"][0]["delta"]["tool_calls"] = tool_calls.delta_calls(calls)
+async def write_deltas(response: web.StreamResponse, run: RequestRun, request_id: str, created: int,
+                       deltas: list[dict[str, Any]]) -> None:
+    """A tool-using choice's deltas (content, a call's start, its arguments' fragments), one chunk each; the
+    logprobs of the tokens so far go with the first (held-back tokens' wait for the next chunk sent)."""
+    for delta in deltas:
+        chunk = protocol.chunk_body(run.req, request_id, created, None, None, logprobs=run.take_logprobs(),
+                                    index=run.index)
+        chunk["choices"][0]["delta"].update(delta)
         await response.write(sse(chunk))
-    return tool_calls.finish_reason(calls, run.finish_reason)
 
 
 async def pump(index: int, first: Any, outputs: Any, queue: asyncio.Queue) -> None:

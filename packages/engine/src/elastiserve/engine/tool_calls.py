@@ -6,21 +6,24 @@ template (SmolLM2's) gets them in the Hermes / Qwen style: a system message list
 with the instruction to answer ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, earlier assistant calls
 written back as such blocks and tool results as ``<tool_response>`` user turns.
 
-Out of the text: with ``tool_choice`` "auto", each ``<tool_call>`` block holding a JSON call becomes one entry of
-``message.tool_calls`` (id ``call_...``, ``function.arguments`` as JSON text) and the rest of the text is the
-content (null when nothing is left). With a forced choice the whole output is the call's JSON (a grammar made it so).
-A stream holds back text from the first ``<tool_call>`` on and sends the calls in one delta when the output ends.
+Out of the text (``ToolCallStream``, which reads whole answers too, so that a stream and the whole answer agree):
+with ``tool_choice`` "auto", each ``<tool_call>`` block holding a JSON call (or an array of calls) becomes entries of
+``message.tool_calls`` (id ``call_...``, ``function.arguments`` the raw JSON text of the arguments value) and the
+rest of the text is the content (stripped; null when nothing is left). A block that is no call (broken JSON, an
+unknown function) stays content. With a forced choice the whole output is the call's JSON (a grammar made it so).
+A stream sends content as it comes, holding back only a tail that may start
+``<tool_call>`` and an open block; each call goes out as it is generated: a delta with its index, id and name once
+the name is known and the arguments have begun, then the arguments' text in fragments (``tool_json`` has the rules).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any
 
+from elastiserve.engine.tool_json import Call, CallReader
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
@@ -81,86 +84,132 @@ def render_messages(messages: list[dict], spec: Any, tokenizer: Any) -> tuple[li
     return out, {}
 
 
-def _call(obj: Any, names: list[str]) -> dict[str, Any] | None:
-    """One OpenAI ``tool_calls`` entry from a parsed ``{"name", "arguments"}`` object (None: not a call of a tool)."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": text}}
-
-
 def parse_tool_calls(text: str, spec: Any) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of a finished output; no calls leaves the text as the content."""
-    names = spec.names
-    if spec.forced:
-        try:
-            call = _call(json.loads(text), names)
-        except json.JSONDecodeError:
-            call = None
-        return (None, [call]) if call is not None else (text, [])
-    calls, kept, last = [], [], 0
-    for match in BLOCK.finditer(text):
-        try:
-            call = _call(json.loads(match.group(1)), names)
-        except json.JSONDecodeError:
-            call = None
-        if call is None:
-            continue
-        calls.append(call)
-        kept.append(text[last:match.start()])
-        last = match.end()
-    if not calls:
-        return text, []
-    content = ("".join(kept) + text[last:]).strip()
-    return content or None, calls
+    """(content, tool_calls) of a finished output, read exactly as a stream of it would be; no calls leaves the text
+    as the content."""
+    stream = ToolCallStream(spec)
+    stream.feed(text)
+    stream.finish()
+    return stream.content(), [call.entry() for call in stream.calls]
 
 
 def finish_reason(calls: list, reason: str | None) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def delta_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A stream delta's ``tool_calls``: each with its index."""
-    return [{"index": k} | call for k, call in enumerate(calls)]
+def _partial_tag(text: str, start: int, tag: str) -> int:
+    """How many characters at the end of ``text[start:]`` may be the start of ``tag`` (held back until known)."""
+    for keep in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
 
 
 class ToolCallStream:
-    """A streamed choice's text with the tool-call blocks held back: ``feed`` returns the content that is safe to
-    send now, ``finish`` the content still due and the calls."""
+    """A choice's output read as it is generated: ``feed`` and ``finish`` return the deltas due, each a chat chunk's
+    ``delta`` body: ``{"content": ...}`` or ``{"tool_calls": [one entry]}`` (a call's start, then its arguments'
+    fragments; ``tool_json`` says when each is sent). Content is held back only where it may still be a call: a tail
+    that may start ``<tool_call>``, an open block (sent as content once it closes without a call), and all of a
+    forced output (sent as content at the finish only if it made no call)."""
 
     def __init__(self, spec: Any) -> None:
-        self.spec = spec
+        self.forced = spec.forced
+        self.names = (spec.name,) if spec.name is not None else tuple(spec.names)
         self.text = ""  # everything fed
-        self.sent = 0  # characters of ``text`` sent as content
-        self.in_call = spec.forced  # a forced output is one call from its first byte
+        self.calls: list[Call] = []  # every call started, in index order
+        self.pos = 0  # auto: the text before it is sent as content or is a block's
+        self.block = -1  # auto: where the open block's "<tool_call>" starts (-1: none is open)
+        self.fed = 0  # the text before it is fed to the reader
+        self.reader = CallReader(self.names, self.calls, self._emit) if spec.forced else None
+        self.cuts: list[tuple[int, int]] = []  # auto: the blocks that made calls, left out of the content
+        self.deltas: list[dict[str, Any]] = []
 
-    def feed(self, delta: str) -> str:
+    def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
-        if self.in_call:
-            return ""
-        start = self.text.find(OPEN, self.sent)
-        if start >= 0:
-            self.in_call = True
-            end = start
-        else:  # hold back a tail that may be the start of "<tool_call>"
-            end = len(self.text)
-            for keep in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1):
-                if OPEN.startswith(self.text[-keep:]):
-                    end -= keep
-                    break
-        out, self.sent = self.text[self.sent:end], end
-        return out
+        if self.forced:
+            self._read(len(self.text))
+        else:
+            self._scan(final=False)
+        return self._take()
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        _, calls = parse_tool_calls(self.text, self.spec)
-        if not calls:
-            return self.text[self.sent:], []
-        if self.spec.forced:
-            return "", calls
-        remaining = BLOCK.sub("", self.text[self.sent:]) if self.in_call else self.text[self.sent:]
-        return remaining.strip() and remaining, calls
+    def finish(self) -> list[dict[str, Any]]:
+        """The deltas due when the output has ended: the rest of the content (whitespace alone is dropped after
+        calls, as the whole answer's content is stripped) and of any open block."""
+        if not self.forced:
+            self._scan(final=True)
+        elif not self.calls:
+            self._emit({"content": self.text})
+        if self.calls:
+            self.deltas = [d for d in self.deltas if "content" not in d or d["content"].strip()]
+        return self._take()
+
+    def content(self) -> str | None:
+        """The whole answer's content once finished: the text, or (after calls) what is outside the call blocks."""
+        if not self.calls:
+            return self.text
+        if self.forced:
+            return None
+        kept, last = [], 0
+        for start, end in self.cuts:
+            kept.append(self.text[last:start])
+            last = end
+        return ("".join(kept) + self.text[last:]).strip() or None
+
+    def _scan(self, final: bool) -> None:
+        text = self.text
+        while True:
+            if self.block < 0:
+                start = text.find(OPEN, self.pos)
+                if start < 0:
+                    end = len(text) - (0 if final else _partial_tag(text, self.pos, OPEN))
+                    self._content(end)
+                    return
+                self._content(start)
+                self.block, self.fed = start, start + len(OPEN)
+                self.reader = CallReader(self.names, self.calls, self._emit)
+            close = text.find(CLOSE, self.fed)
+            if close < 0:
+                # a tail that may start "</tool_call>" is not the call's text (at the end, most likely a cut tag)
+                self._read(len(text) - _partial_tag(text, self.fed, CLOSE))
+                if final:
+                    self._end_block(len(text))
+                return
+            self._read(close)
+            self._end_block(close + len(CLOSE))
+
+    def _read(self, end: int) -> None:
+        if end > self.fed:
+            self.reader.feed(self.text[self.fed:end])
+            self.fed = end
+
+    def _end_block(self, end: int) -> None:
+        if self.reader.made:
+            self.cuts.append((self.block, end))
+        else:  # no call in it: its text is content after all
+            self._emit({"content": self.text[self.block:end]})
+        self.pos, self.block, self.reader = end, -1, None
+
+    def _content(self, end: int) -> None:
+        if end > self.pos:
+            self._emit({"content": self.text[self.pos:end]})
+            self.pos = end
+
+    def _emit(self, delta: dict[str, Any]) -> None:
+        """Queue a delta, merged into the one before when both are content or fragments of the same call."""
+        last = self.deltas[-1] if self.deltas else None
+        if last is not None and "content" in delta and "content" in last:
+            last["content"] += delta["content"]
+            return
+        if last is not None and "tool_calls" in delta and "tool_calls" in last:
+            new, old = delta["tool_calls"][0], last["tool_calls"][0]
+            if "id" not in new and "id" not in old and new["index"] == old["index"]:
+                old["function"]["arguments"] += new["function"]["arguments"]
+                return
+        self.deltas.append(delta)
+
+    def _take(self) -> list[dict[str, Any]]:
+        out, self.deltas = self.deltas, []
+        return out
 
 
 def attach_calls(body: dict[str, Any], spec: Any) -> None:
