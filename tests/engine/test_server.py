@@ -704,6 +704,26 @@ CITY_TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters"
 
 
 @pytest.mark.parametrize("served", ["smollm2"], indirect=True)
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tool_choice_required_makes_one_or_more_calls(served, parallel):
+    """required: an array of calls, as vLLM reads it; with parallel_tool_calls false exactly one, else one or more
+    (seed 3 is one where SmolLM2 makes two, so the limit is the grammar's). The stream sends the same calls, each
+    started once with its own id, its arguments in fragments that add up to the whole answer's."""
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Time and date in Paris?"}], max_tokens=50,
+                temperature=1.0, seed=3, tools=CITY_TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+    full = served.client.chat.completions.create(**args).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in full.message.tool_calls]
+    assert len(calls) >= 2 if parallel else len(calls) == 1, calls
+    check_city_calls(calls)
+    assert len({c.id for c in full.message.tool_calls}) == len(calls)
+    content, streamed, ids, fragments, reason = streamed_answer(list(served.client.chat.completions.create(
+        **args, stream=True)))
+    assert content == "" and reason == "tool_calls" and streamed == calls
+    assert len(set(ids)) == len(calls) and fragments > len(calls)
+
+
+@pytest.mark.parametrize("served", ["smollm2"], indirect=True)
 def test_auto_tool_call_streams_between_content(served):
     """auto: a <tool_call> block in the text (a regex makes SmolLM2 write one) is a call, the rest content; the stream
     sends the content before it as it comes, then the call, and agrees with the whole answer."""
@@ -751,6 +771,9 @@ def test_tool_results_and_earlier_calls_render_through_the_template(served):
       "tool_choice": "required"}, "tools", "minimum"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"tools": WEATHER_TOOLS, "tool_choice": "required", "guided_choice": ["a"]}, "tool_choice", "already"),
+    ({"tools": WEATHER_TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls",
+     "boolean"),
+    ({"tools": WEATHER_TOOLS, "parallel_tool_calls": 0}, "parallel_tool_calls", "boolean"),
 ])
 def test_bad_structured_requests_get_400(fake_served, extra, param, words):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra

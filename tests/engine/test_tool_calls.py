@@ -52,7 +52,7 @@ def test_stream_holds_back_only_a_possible_opening_tag():
     assert cut.feed("so <tool_") == [{"content": "so "}] and cut.finish() == [{"content": "<tool_"}]
 
 
-def test_forced_output_is_one_call_and_its_grammar_checks_arguments():
+def test_forced_output_is_calls_and_its_grammar_checks_arguments():
     spec = ToolSpec(TOOLS, "named", "add")
     assert tool_calls.parse_tool_calls('{"name": "add", "arguments": {"a": 1, "b": 2}}', spec)[0] is None
     assert tool_calls.parse_tool_calls('{"name": "add", "argu', spec) == ('{"name": "add", "argu', [])
@@ -60,9 +60,18 @@ def test_forced_output_is_one_call_and_its_grammar_checks_arguments():
     assert grammar.matches('{"name":"add","arguments":{"a":1,"b":2}}')
     assert not grammar.matches('{"name":"now","arguments":{}}')
     assert not grammar.matches('{"name":"add","arguments":{"a":1}}')
+    assert not grammar.matches('[{"name":"add","arguments":{"a":1,"b":2}}]')
+    # required: an array of one or more calls of any of the tools; with parallel_tool_calls false, exactly one
     required = tool_grammar(ToolSpec(TOOLS, "required"))
-    assert required.matches('{"name":"now","arguments":{}}') and required.matches(
-        '{"name":"add","arguments":{"a":1,"b":2}}')
+    assert required.matches('[{"name":"now","arguments":{}}]')
+    assert required.matches('[{"name":"add","arguments":{"a":1,"b":2}},{"name":"now","arguments":{}}]')
+    assert not required.matches("[]") and not required.matches('{"name":"now","arguments":{}}')
+    assert not required.matches('[{"name":"add","arguments":{}}]')
+    single = tool_grammar(ToolSpec(TOOLS, "required", parallel=False))
+    assert single.matches('[{"name":"now","arguments":{}}]')
+    assert not single.matches('[{"name":"now","arguments":{}},{"name":"now","arguments":{}}]')
+    assert parse_tools({"tools": list(TOOLS), "tool_choice": "required"}, parallel=False).call_schema()[
+        "maxItems"] == 1
 
 
 # ---- the stream state machine: every chunking gives the same deltas' sum, and the same as the whole answer --------

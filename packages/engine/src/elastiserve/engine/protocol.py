@@ -48,6 +48,7 @@ class ParsedRequest:
     n: int = 1  # choices returned
     best_of: int = 1  # candidates generated, each its own engine request; the n best are returned
     tools: Any = None  # chat: a structured.ToolSpec when tools are offered
+    parallel_tool_calls: bool = True  # chat: False lets a "required" tool_choice make one call only
 
     @property
     def max_tokens(self) -> int:
@@ -304,8 +305,10 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if wants:
         _set_logprobs(sampling, top or 0, "top_logprobs")
+    parallel = _check_type(body, "parallel_tool_calls", (bool,), "a boolean")
     return ParsedRequest("chat", model, messages=messages, stream=stream, include_usage=include_usage,
-                         sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of)
+                         sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of,
+                         parallel_tool_calls=parallel is not False)
 
 
 def _optional_model(body: Any) -> str:

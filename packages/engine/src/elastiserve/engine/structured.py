@@ -7,9 +7,10 @@
   strings) and ``guided_regex`` (the whole output matches the regex; the subset ``guided.regex_syntax`` lists, any
   other construct a 400 naming it). ``guided_grammar`` is refused with a 400 rather than ignored.
 - chat's ``tools`` and ``tool_choice``: ``"none"`` (tools not offered), ``"auto"`` (offered; ``<tool_call>`` blocks in
-  the output become ``tool_calls``), ``"required"`` or a named function (the output is forced, by a grammar, to one
-  JSON call ``{"name": ..., "arguments": ...}`` of one of the tools / of that tool, its arguments valid under the
-  tool's ``parameters``).
+  the output become ``tool_calls``), ``"required"`` (the output is forced, by a grammar, to a JSON array of one or
+  more calls ``{"name": ..., "arguments": ...}`` of the tools, as vLLM reads it; only one with
+  ``parallel_tool_calls`` false) or a named function (forced to one such call of that tool, an object); arguments
+  are valid under the tool's ``parameters``.
 
 Every mistake is a ``BadRequest`` whose ``param`` names the field; a schema keyword the automaton does not support
 is named in the message.
@@ -99,11 +100,13 @@ def parse_guide(body: dict) -> Grammar | None:
 @dataclass(frozen=True)
 class ToolSpec:
     """The tools offered to the model and how its answer is read. ``choice``: "auto", "required" or "named" (then
-    ``name`` is the function)."""
+    ``name`` is the function); ``parallel``: the request's ``parallel_tool_calls`` (False: "required" makes one call).
+    """
 
     tools: tuple[dict[str, Any], ...]
     choice: str
     name: str | None = None
+    parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.choice not in ("auto", "required", "named"):
@@ -120,10 +123,14 @@ class ToolSpec:
         return [t["function"]["name"] for t in self.tools]
 
     def call_schema(self) -> dict[str, Any]:
-        """The schema of the forced output: one call of the named tool, or of any of them."""
+        """The schema of the forced output: one call of the named tool, or an array of calls of any of them (at
+        least one; exactly one when calls may not run in parallel)."""
         options = [_call_schema(t["function"]) for t in self.tools
                    if self.name is None or t["function"]["name"] == self.name]
-        return options[0] if len(options) == 1 else {"anyOf": options}
+        call = options[0] if len(options) == 1 else {"anyOf": options}
+        if self.choice == "named":
+            return call
+        return {"type": "array", "items": call, "minItems": 1} | ({} if self.parallel else {"maxItems": 1})
 
 
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
@@ -155,8 +162,8 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     return tuple({"type": "function", "function": t["function"]} for t in tools)
 
 
-def parse_tools(body: dict) -> ToolSpec | None:
-    """The tools offered (None: none, or ``tool_choice`` "none")."""
+def parse_tools(body: dict, parallel: bool = True) -> ToolSpec | None:
+    """The tools offered (None: none, or ``tool_choice`` "none"); ``parallel`` is ``parallel_tool_calls``."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice not in (None, "none", "auto"):
@@ -164,11 +171,11 @@ def parse_tools(body: dict) -> ToolSpec | None:
         return None
     checked = _check_tools(tools)
     if choice in (None, "auto"):
-        return ToolSpec(checked, "auto")
+        return ToolSpec(checked, "auto", parallel=parallel)
     if choice == "none":
         return None
     if choice == "required":
-        return ToolSpec(checked, "required")
+        return ToolSpec(checked, "required", parallel=parallel)
     function = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(function, dict) or choice.get("type", "function") != "function":
         raise BadRequest("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": "
@@ -176,7 +183,7 @@ def parse_tools(body: dict) -> ToolSpec | None:
     name = function.get("name")
     if name not in {t["function"]["name"] for t in checked}:
         raise BadRequest(f"'tool_choice' names the function {name!r}, which is not in 'tools'", param="tool_choice")
-    return ToolSpec(checked, "named", name)
+    return ToolSpec(checked, "named", name, parallel)
 
 
 def tool_grammar(spec: ToolSpec) -> Grammar:
@@ -187,7 +194,7 @@ def tool_grammar(spec: ToolSpec) -> Grammar:
 def with_structure(req: ParsedRequest, body: dict) -> ParsedRequest:
     """``req`` (parsed by ``protocol``) with its grammar in ``sampling["guide"]`` and, for chat, its tools."""
     guide = parse_guide(body)
-    tools = parse_tools(body) if req.kind == "chat" else None
+    tools = parse_tools(body, req.parallel_tool_calls) if req.kind == "chat" else None
     if req.kind != "chat" and body.get("tools") is not None:
         raise BadRequest("'tools' are a chat completions field", param="tools")
     if tools is not None and tools.forced:

@@ -10,8 +10,8 @@ Out of the text (``ToolCallStream``, which reads whole answers too, so that a st
 with ``tool_choice`` "auto", each ``<tool_call>`` block holding a JSON call (or an array of calls) becomes entries of
 ``message.tool_calls`` (id ``call_...``, ``function.arguments`` the raw JSON text of the arguments value) and the
 rest of the text is the content (stripped; null when nothing is left). A block that is no call (broken JSON, an
-unknown function) stays content. With a forced choice the whole output is the call's JSON (a grammar made it so).
-A stream sends content as it comes, holding back only a tail that may start
+unknown function) stays content. With a forced choice the whole output is the call's JSON, or for "required" an
+array of calls (a grammar made it so). A stream sends content as it comes, holding back only a tail that may start
 ``<tool_call>`` and an open block; each call goes out as it is generated: a delta with its index, id and name once
 the name is known and the arguments have begun, then the arguments' text in fragments (``tool_json`` has the rules).
 """
