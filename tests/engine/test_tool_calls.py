@@ -35,6 +35,23 @@ def test_auto_parses_blocks_and_keeps_the_rest_as_content():
     assert unclosed["function"]["name"] == "now"
 
 
+def test_auto_without_parallel_calls_keeps_the_first_call_only():
+    """parallel_tool_calls false on "auto": the first call is the answer's; a later block's call is dropped, in a
+    stream (no delta of index 1) as in the whole answer, and its block is not content either."""
+    text = 'Sure.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> and <tool_call>{"name": ' \
+           '"now", "arguments": {}}</tool_call>'
+    single = ToolSpec(TOOLS, "auto", parallel=False)
+    content, calls = tool_calls.parse_tool_calls(text, single)
+    assert content == "Sure. and" and [c["function"]["name"] for c in calls] == ["add"]
+    assert len(tool_calls.parse_tool_calls(text, AUTO)[1]) == 2
+    stream = tool_calls.ToolCallStream(single)
+    deltas = [d for ch in text for d in stream.feed(ch)] + stream.finish()
+    indices = {d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d}
+    assert indices == {0}
+    assert "".join(d["content"] for d in deltas if "content" in d) == "Sure. and "
+    assert tool_calls.finish_reason(stream.kept_calls(), "stop") == "tool_calls"
+
+
 def test_stream_holds_back_only_a_possible_opening_tag():
     stream = tool_calls.ToolCallStream(AUTO)
     pieces = ["Let me ", "check <to", 'ol_call>{"name": "now", ', '"arguments": {}}', "</tool_call>"]

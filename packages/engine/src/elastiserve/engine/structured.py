@@ -9,8 +9,8 @@
 - chat's ``tools`` and ``tool_choice``: ``"none"`` (tools not offered), ``"auto"`` (offered; ``<tool_call>`` blocks in
   the output become ``tool_calls``), ``"required"`` (the output is forced, by a grammar, to a JSON array of one or
   more calls ``{"name": ..., "arguments": ...}`` of the tools, as vLLM reads it; only one with
-  ``parallel_tool_calls`` false) or a named function (forced to one such call of that tool, an object); arguments
-  are valid under the tool's ``parameters``.
+  ``parallel_tool_calls`` false, which also keeps only the first call of "auto") or a named function (forced to one
+  such call of that tool, an object); arguments are valid under the tool's ``parameters``.
 
 Every mistake is a ``BadRequest`` whose ``param`` names the field; a schema keyword the automaton does not support
 is named in the message.

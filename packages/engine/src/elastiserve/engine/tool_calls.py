@@ -90,7 +90,7 @@ def parse_tool_calls(text: str, spec: Any) -> tuple[str | None, list[dict[str, A
     stream = ToolCallStream(spec)
     stream.feed(text)
     stream.finish()
-    return stream.content(), [call.entry() for call in stream.calls]
+    return stream.content(), [call.entry() for call in stream.kept_calls()]
 
 
 def finish_reason(calls: list, reason: str | None) -> str | None:
@@ -123,6 +123,9 @@ class ToolCallStream:
         self.reader = CallReader(self.names, self.calls, self._emit) if spec.forced else None
         self.cuts: list[tuple[int, int]] = []  # auto: the blocks that made calls, left out of the content
         self.deltas: list[dict[str, Any]] = []
+        # "auto" with parallel_tool_calls false: the first call only, as vLLM keeps it (later blocks' calls are read,
+        # left out of the content and dropped); forced choices are held to it by their grammar
+        self.max_calls = None if spec.forced or spec.parallel else 1
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
@@ -194,8 +197,14 @@ class ToolCallStream:
             self._emit({"content": self.text[self.pos:end]})
             self.pos = end
 
+    def kept_calls(self) -> list[Call]:
+        """The calls the answer carries (all of them, or the first under ``max_calls``)."""
+        return self.calls if self.max_calls is None else self.calls[:self.max_calls]
+
     def _emit(self, delta: dict[str, Any]) -> None:
         """Queue a delta, merged into the one before when both are content or fragments of the same call."""
+        if self.max_calls is not None and "tool_calls" in delta and delta["tool_calls"][0]["index"] >= self.max_calls:
+            return
         last = self.deltas[-1] if self.deltas else None
         if last is not None and "content" in delta and "content" in last:
             last["content"] += delta["content"]
