@@ -2,6 +2,7 @@
 reference beside it. Importing this package registers every op."""
 
 from elastiserve.kernels import (
+    moe_combine,  # noqa: F401  (registers elastiserve::moe_combine)
     nested_moe,  # noqa: F401  (registers elastiserve::nested_moe)
     skinny_gemm,  # noqa: F401  (registers elastiserve::skinny_linear)
 )

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from elastiserve.engine.models.layers import silu_and_mul
-from elastiserve.kernels import nested_moe  # noqa: F401  (registers elastiserve::grouped_gemm)
+from elastiserve.kernels import moe_combine, nested_moe  # noqa: F401  (register elastiserve::moe_combine, ::grouped_gemm)
 
 # grouped_gemm(x_sorted[M, K], weight[E, N, K], group_offsets[E + 1] int64) -> [M, N]
 # Rows group_offsets[e]:group_offsets[e + 1] of x_sorted belong to expert e and are multiplied by weight[e]^T.
@@ -86,11 +86,10 @@ def moe_experts(
     x_sorted = x[source_token]
     hidden = silu_and_mul(grouped_gemm(x_sorted, w_gate_up, group_offsets))
     expert_out = grouped_gemm(hidden, w_down, group_offsets)
-    weighted = expert_out.float() * topk_weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, source_token, weighted)  # a dropped row's unwritten GEMM output lands on its own padding row
-    if padding_rows is not None:
-        out.masked_fill_(padding_rows.unsqueeze(-1), 0.0)
+    # Where each (token, j) row landed: the sort's inverse, so the combine reads each token's k rows by index
+    # (padding rows' rows were never written and are not read: moe_combine zeroes those tokens).
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    out = torch.ops.elastiserve.moe_combine(expert_out, row_of.view(num_tokens, top_k), topk_weights, padding_rows)
     return out.to(x.dtype)
 
 
