@@ -199,8 +199,9 @@ def test_moe_experts_equals_per_token_loop(device):
     weights, ids = route_topk(torch.randn(tokens, experts, generator=generator).to(device), top_k, renormalize=True)
     calls = []
 
-    def recording_gemm(x_sorted, weight, offsets):
+    def recording_gemm(x, weight, offsets, source_rows):
         calls.append(offsets.tolist())
+        x_sorted = x if source_rows is None else x[source_rows]
         return torch.cat([x_sorted[s:e] @ weight[i].t() for i, (s, e) in enumerate(itertools.pairwise(offsets))])
 
     out = moe_experts(x, ids, weights, w_gate_up, w_down, recording_gemm)

@@ -1,8 +1,9 @@
 """Pins the grouped (MoE) nested GEMM: the device-built tile map, and every mode against the per-expert reference.
 
-Expert groups include an empty expert, a single token and groups that are not a multiple of the row tile; the
-op ``elastiserve::nested_moe`` passes ``torch.library.opcheck``. A stacked expert tensor with max|w| = 5 nests as
-E4M3 with one prescale exponent for all experts and matches in every mode.
+Expert groups include an empty expert, a single token and groups that are not a multiple of the row tile; rows
+gathered by ``source_rows`` equal the kernel on a sorted copy, bit for bit; the ops ``elastiserve::nested_moe`` and
+``elastiserve::grouped_gemm`` pass ``torch.library.opcheck`` with and without ``source_rows``. A stacked expert
+tensor with max|w| = 5 nests as E4M3 with one prescale exponent for all experts and matches in every mode.
 """
 
 import itertools
@@ -87,6 +88,32 @@ def test_grouped_gemm_matches_reference(device, mode, nesting):
         assert _rel_err(y, exact) < 1e-2
 
 
+@pytest.mark.parametrize("mode", ["plain", "full", "weight_only", "fp8"])
+def test_gathered_rows_equal_a_sorted_copy(device, mode):
+    """With ``source_rows`` the kernel reads row t of the product from x[source_rows[t]] (each token several times,
+    as top-k routing sends it): bit-equal to the kernel on the sorted copy, fp8 included (a token is quantized once,
+    its scale gathered with it), and the reference agrees."""
+    counts, n, k = _case(device)
+    sorted_x, w, upper, lower, offsets = _problem(device, Nesting.E4M3, counts, n, k, seed=5)
+    rows = sorted_x.shape[0]
+    tokens = max(1, rows // 3)
+    gen = torch.Generator().manual_seed(6)
+    source = torch.randint(0, tokens, (rows,), generator=gen).to(device)
+    x = torch.randn(tokens, k, generator=gen).half().to(device)
+    if mode == "plain":
+        y = nested_moe.grouped_gemm_fp16(x, w, offsets, source_rows=source)
+        copy = nested_moe.grouped_gemm_fp16(x[source], w, offsets)
+        ref = nested_moe.grouped_gemm_ref(x, w, offsets, source)
+    else:
+        y = nested_moe.nested_moe_gemm(x, upper, lower, offsets, Nesting.E4M3, mode, source_rows=source)
+        copy = nested_moe.nested_moe_gemm(x[source], upper, lower, offsets, Nesting.E4M3, mode)
+        ref = nested_moe.nested_moe_ref(x, upper, lower, offsets, Nesting.E4M3, mode, source_rows=source)
+    assert y.shape == (rows, n) and torch.equal(y, copy)
+    assert _rel_err(y, ref) < 1e-2
+    with pytest.raises(ValueError, match="int64"):
+        nested_moe.grouped_gemm_fp16(x, w, offsets, source_rows=source.int())
+
+
 def test_grouped_gemm_equals_dense_per_expert(device):
     counts, n, k = _case(device)
     x, _, upper, lower, offsets = _problem(device, Nesting.E4M3, counts, n, k, seed=2)
@@ -135,8 +162,13 @@ def test_plain_fp16_experts_match_reference(device):
 
 
 def test_opcheck_grouped_gemm(device):
-    x, w, _, _, offsets = _problem(device, Nesting.E4M3, [2, 0, 5], 32, 32)
+    x, w, upper, lower, offsets = _problem(device, Nesting.E4M3, [2, 0, 5], 32, 32)
     torch.library.opcheck(torch.ops.elastiserve.grouped_gemm.default, (x, w, offsets))
+    source = torch.tensor([1, 0, 3, 3, 2, 0, 1], device=device)  # 7 product rows out of 4 tokens
+    torch.library.opcheck(torch.ops.elastiserve.grouped_gemm.default, (x[:4], w, offsets, source))
+    for fast in (False, True):
+        torch.library.opcheck(torch.ops.elastiserve.nested_moe.default,
+                              (x[:4], upper, lower, offsets, 1, fast, 0, source))
 
 
 def test_grouped_gemm_compiles_fullgraph(device):

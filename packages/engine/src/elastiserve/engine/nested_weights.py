@@ -86,11 +86,13 @@ class NestedExperts(nn.Module):
             raise ConfigError("expert lower plane must be contiguous")
         self.lower = plane  # assigning a tensor to a registered buffer name keeps it a buffer
 
-    def forward(self, x_sorted: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
-        """x_sorted [T, K] grouped by expert, group_offsets [E + 1] -> [T, N]; fast mode reads ``upper`` only."""
-        y = nested_moe_op(x_sorted.to(torch.float16), self.upper, self.lower, group_offsets, int(self.nesting),
-                          self.fast, self.weight_exp)
-        return y.to(x_sorted.dtype)
+    def forward(self, x: torch.Tensor, group_offsets: torch.Tensor,
+                source_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] grouped by expert (or gathered by ``source_rows`` [M] into that order), group_offsets [E + 1]
+        -> [M, N]; fast mode reads ``upper`` only."""
+        y = nested_moe_op(x.to(torch.float16), self.upper, self.lower, group_offsets, int(self.nesting),
+                          self.fast, self.weight_exp, source_rows)
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         experts, n, k = self.upper.shape
@@ -98,12 +100,13 @@ class NestedExperts(nn.Module):
                 f"fast={self.fast}")
 
 
-def grouped_gemm_nested(x_sorted: torch.Tensor, weight: Any, group_offsets: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_nested(x: torch.Tensor, weight: Any, group_offsets: torch.Tensor,
+                        source_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The ``SparseMoeBlock.grouped_gemm`` hook of a nested model: nested experts run the nested kernel, a tensor that
-    stayed 16-bit runs the reference."""
+    stayed 16-bit the plain one (``models.moe.GroupedGemm`` has the arguments)."""
     if isinstance(weight, NestedExperts):
-        return weight(x_sorted, group_offsets)
-    return grouped_gemm_plain(x_sorted, weight, group_offsets)
+        return weight(x, group_offsets, source_rows)
+    return grouped_gemm_plain(x, weight, group_offsets, source_rows)
 
 
 def nest_experts(block: SparseMoeBlock, prefix: str, report: NestingReport) -> None:

@@ -17,13 +17,17 @@ from torch import nn
 from elastiserve.engine.models.layers import silu_and_mul
 from elastiserve.kernels import moe_combine, nested_moe  # noqa: F401  (register elastiserve::moe_combine, ::grouped_gemm)
 
-# grouped_gemm(x_sorted[M, K], weight[E, N, K], group_offsets[E + 1] int64) -> [M, N]
-# Rows group_offsets[e]:group_offsets[e + 1] of x_sorted belong to expert e and are multiplied by weight[e]^T.
-# ``weight`` is the block's stacked tensor, or whatever replaced it that the hook understands (nested planes).
-GroupedGemm = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
+# grouped_gemm(x[T, K], weight[E, N, K], group_offsets[E + 1] int64, source_rows[M] int64 | None) -> [M, N]
+# Row m of the product is x_sorted[m] = x[source_rows[m]] (x itself when source_rows is None: already sorted); rows
+# group_offsets[e]:group_offsets[e + 1] belong to expert e and are multiplied by weight[e]^T. The kernels gather the
+# rows themselves, so no sorted copy of x is written. ``weight`` is the block's stacked tensor, or whatever replaced
+# it that the hook understands (nested planes).
+GroupedGemm = Callable[[torch.Tensor, Any, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def grouped_gemm_reference(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor,
+                           source_rows: torch.Tensor | None = None) -> torch.Tensor:
+    x_sorted = x if source_rows is None else x[source_rows]
     out = x_sorted.new_empty(x_sorted.shape[0], weight.shape[1])
     bounds = group_offsets.tolist()
     for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
@@ -32,13 +36,14 @@ def grouped_gemm_reference(x_sorted: torch.Tensor, weight: torch.Tensor, group_o
     return out
 
 
-def grouped_gemm_plain(x_sorted: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_plain(x: torch.Tensor, weight: torch.Tensor, group_offsets: torch.Tensor,
+                       source_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The hook of unnested experts: on a GPU fp16 experts take the grouped Triton kernel (one launch, no host read,
     so the step can be captured in a CUDA graph; the loop above read the offsets back and failed capture on the
     H200); the CPU, and experts left bf16, take the loop."""
-    if x_sorted.device.type != "cpu" and weight.dtype == torch.float16 and x_sorted.dtype == torch.float16:
-        return torch.ops.elastiserve.grouped_gemm(x_sorted, weight, group_offsets)
-    return grouped_gemm_reference(x_sorted, weight, group_offsets)
+    if x.device.type != "cpu" and weight.dtype == torch.float16 and x.dtype == torch.float16:
+        return torch.ops.elastiserve.grouped_gemm(x, weight, group_offsets, source_rows)
+    return grouped_gemm_reference(x, weight, group_offsets, source_rows)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +88,8 @@ def moe_experts(
     group_offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
     group_offsets[1:] = counts[:num_experts].cumsum(dim=0)
 
-    x_sorted = x[source_token]
-    hidden = silu_and_mul(grouped_gemm(x_sorted, w_gate_up, group_offsets))
-    expert_out = grouped_gemm(hidden, w_down, group_offsets)
+    hidden = silu_and_mul(grouped_gemm(x, w_gate_up, group_offsets, source_token))  # rows gathered in the kernel
+    expert_out = grouped_gemm(hidden, w_down, group_offsets, None)
     # Where each (token, j) row landed: the sort's inverse, so the combine reads each token's k rows by index
     # (padding rows' rows were never written and are not read: moe_combine zeroes those tokens).
     row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
