@@ -76,7 +76,8 @@ LONG_K = 8192
 # packed-word PTX decode (four weights per asm call) with narrow 32x256 tiles took qkv from 0.46x to 0.94x and down
 # from 0.45x to 0.87x of fp16 at M = 1 (0.86x / 0.85x at M = 16) on the H200, the best of seven tiles for both K
 # (benchmarks/kernels/results/h200-gemm-config-probe-run2.json); the portable decode on the same tile: 0.33x / 0.26x.
-# The same tile is the weight-only decode row (fast mode up to 16 rows on sm90, nested_gemm.FP8_MIN_M) for K = 4096
+# The same tile is the weight-only decode row (fast mode on sm90 up to 16 rows until session 16, now where no fp8
+# MMA runs; nested_gemm.FP8_MIN_M) for K = 4096
 # (qkv M=1 13.2 us = 1.25x fp16); for K >= 8192 weight-only takes 128x128 (down M=1 28.0 us = 1.18x), best of seven
 # tiles in h200-gemm-config-probe-run3 (the portable decode's best: 0.87x / 0.91x).
 _DECODE_PTX = _G(16, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)

@@ -36,8 +36,12 @@ MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
 # (qkv 6144x4096 at M=1: 15.2 us vs 23.3 us; h200-nested-gemm-run1.json), so fp8-capable GPUs take it from the first
 # row. On sm90 the weight-only path with the PTX decode on narrow tiles matched or beat fp8 at decode sizes, side by
 # side (h200-gemm-config-probe-run3: qkv M=1 13.2 vs 13.4 us, M=16 13.1 vs 13.9; down M=1 28.0 vs 28.0, M=16 28.7 vs
-# 29.0), so sm90 keeps fp16 activations up to 16 rows. The grouped MoE GEMM was not probed that way: fp8 from row 1.
-FP8_MIN_M = {"sm90": 17}
+# 29.0), so sm90 kept fp16 activations up to 16 rows. With the one-pass quantizer (2.2 us instead of 3.1 at K = 4096,
+# 5.1 instead of 9.0 at 14336) fp8 won at 16 rows on all eight shapes in session 16's GEMM table
+# (h200-nested-gemm-s16.json, side by side: qkv 12.9 vs 13.1 us, o 10.5 vs 10.6, gate_up 39.0 vs 42.4, down 24.7 vs
+# 28.7, Qwen3 gate_up 29.3 vs 35.6, down 22.9 vs 26.3). Both run a 16-row token tile from 2 rows on, so that holds
+# from 2 rows; one row keeps the skinny weight-only kernel (1.58-1.84x fp16). The grouped MoE GEMM: fp8 from row 1.
+FP8_MIN_M = {"sm90": 2}
 # A row is quantized from registers in one read of x (up to 16 warps: 32 fp32 values a thread) when it is short, or
 # when there are few rows; else a loop over 1,024-wide chunks reads it twice (4 warps, one program a row). On the
 # H200 (session 16, benchmarks/kernels/results/h200-vendor-fp8-s16.json and h200-fp8-tiles-s16.json): K = 4096 one
