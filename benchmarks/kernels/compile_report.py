@@ -11,6 +11,7 @@ Uses Triton's own ptxas. Argument divisibility is declared as the JIT would for 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -148,22 +149,22 @@ def grouped_report(arch: int) -> list[dict]:
         types = {n: "i32" for n in fn.arg_names}
         types.update({"x_ptr": "*fp8e4nv" if mode == "fp8" else "*fp16", "x_scale_ptr": "*fp32", "upper_ptr": plane,
                       "lower_ptr": "*u8" if mode == "full" else plane, "out_ptr": "*fp16", "tile_expert_ptr": "*i32",
-                      "tile_row_ptr": "*i32", "offsets_ptr": "*i64", "w_scale": "fp32"})
-        for bm, bn, bk, warps, stages, *cap in GROUPED_TILES:
+                      "tile_row_ptr": "*i32", "offsets_ptr": "*i64", "source_ptr": "*i64", "w_scale": "fp32"})
+        for (bm, bn, bk, warps, stages, *cap), gather in itertools.product(GROUPED_TILES, (False, True)):
             if mode == "fp8" and bk < 64:
                 continue
             const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": mode_id, "NESTING": 1,
-                     "FNUZ": False, "EVEN_K": True, "PTX_DECODE": mode == "full", "BLOCK_M": bm, "BLOCK_N": bn,
-                     "BLOCK_K": bk}
+                     "FNUZ": False, "EVEN_K": True, "PTX_DECODE": mode == "full", "GATHER": gather, "BLOCK_M": bm,
+                     "BLOCK_N": bn, "BLOCK_K": bk}
             kernel = compile_kernel(fn, types, const, warps, stages, arch, maxnreg=cap[0] if cap else None)
-            row = {"kernel": "nested_moe", "mode": mode, "tile": [bm, bn, bk, warps, stages, *cap],
+            row = {"kernel": "nested_moe", "mode": mode, "gather": gather, "tile": [bm, bn, bk, warps, stages, *cap],
                    **facts(kernel, arch, 32 * warps)}
             ctas = min(row["ctas_per_sm_by_registers"], SM90_SHARED_PER_SM // (row["shared_bytes"] + 1024))
             row["warps_per_sm"] = ctas * warps
             rows.append(row)
             print(f"grouped {mode:5s} {bm:3d}x{bn:3d}x{bk:3d} w{warps} s{stages}"
-                  f"{f' maxnreg {cap[0]}' if cap else ''}: regs {row['registers']:3d} spills "
-                  f"{row['spill_store_bytes']:5d} B  smem {row['shared_bytes'] // 1024:3d} KiB  async copies "
+                  f"{f' maxnreg {cap[0]}' if cap else ''}{' gather' if gather else ''}: regs {row['registers']:3d} "
+                  f"spills {row['spill_store_bytes']:5d} B  smem {row['shared_bytes'] // 1024:3d} KiB  async copies "
                   f"{row['async_copies']}  {row['warps_per_sm']} warps/SM", flush=True)
     return rows
 
