@@ -51,12 +51,12 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8") -> list[configs.Ge
     else:
         tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, swap_ab=swap) for bm, bn, bk, w, s, swap in CANDIDATES]
     for config in tiles:
-        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        bm, bn = config.block_m, config.block_n
         if bm > max(32, 2 * m) or (m >= 1024 and bm < 64) or (mode == "full" and bm < 16 * -(-m // 64)):
             continue
         out.append(config)
         n_tiles = -(-m // bm) * -(-n // bn)
-        split = configs._split_for_occupancy(n_tiles, -(-k // bk), current_platform().num_sms)
+        split = configs._split_for_occupancy(n_tiles, -(-k // config.block_k), current_platform().num_sms)
         if split > 1:
             out.append(replace(config, split_k=split))
     return out

@@ -72,8 +72,9 @@ def moe_experts(
     ``w_gate_up`` / ``w_down``: stacked [E, N, K] tensors, or what ``grouped_gemm`` takes in their place (anything
     with their ``shape``). ``padding_rows``: bool [T], True for a padded step's padding rows; they go to no expert
     and come out zero. Padding rows are one token at one position, so they would all load the same top-k experts.
-    The mask is built once per step (``padding_rows_of``): per layer it costs two elementwise launches; building it
-    in every layer cost ten, 480 kernels per step of a 48-layer model (H200 profile, session 9)."""
+    The mask is built once per step (``padding_rows_of``): per layer it costs one elementwise launch (the expert-id
+    fill; ``moe_combine`` zeroes the padding tokens itself); building it in every layer cost ten, 480 kernels per
+    step of a 48-layer model (H200 profile, session 9)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_gate_up.shape[0]
     if padding_rows is not None:  # expert id E sorts last and lies past group_offsets[E]: no GEMM computes it
