@@ -1,4 +1,4 @@
-"""One-shot GPU probe: fast mode's fp8 GEMM tiles from 32 to 4,096 rows (or full mode's fused tiles below the rows
+"""One-shot GPU probe: fast mode's fp8 GEMM tiles from 2 to 4,096 rows (or full mode's fused tiles below the rows
 where it materializes), against the vendor GEMMs and the table's tile.
 
 Per (shape, M): cuBLAS fp16 and ``_scaled_mm`` on pre-quantized per-tensor operands (the vendor's best case), the
@@ -9,6 +9,7 @@ model's call does. ``--mode full``: the fused full-mode kernel's tiles with the 
 CUDA-graph replay over weight copies past the L2 (the kernel benchmark's method).
 
     python benchmarks/kernels/probe_fp8_tiles.py --out fp8_tiles.json [--shapes qkv down] [--m 64 256] [--mode full]
+    python benchmarks/kernels/probe_fp8_tiles.py --out fp8_decode.json --m 2 4 8 16   # the decode tiles
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nested_gemm import SHAPES, copies_for, graph_time_us, make_weights
 
-from elastiserve.kernels import configs, nested_gemm
+from elastiserve.kernels import configs, fp8_activations, nested_gemm
 from elastiserve.kernels.formats import Nesting
 from elastiserve.platforms import current_platform
 
@@ -34,6 +35,11 @@ CANDIDATES = [  # block_m, block_n, block_k, warps, stages, swap_ab
     (64, 128, 128, 4, 4, True), (64, 128, 128, 4, 4, False), (64, 256, 128, 8, 3, False),
     (128, 128, 128, 4, 4, False), (128, 128, 128, 8, 4, False), (128, 256, 128, 8, 3, False),
     (256, 128, 128, 8, 3, False),
+]
+# Decode sizes (2-16 rows, fp8 since session 16's FP8_MIN_M): 16-row token tiles only, weight tiles of 4-32 KB.
+DECODE_CANDIDATES = [
+    (16, 32, 256, 4, 4, True), (16, 64, 256, 4, 4, True), (16, 128, 128, 4, 4, True), (16, 128, 128, 8, 4, True),
+    (16, 128, 256, 4, 3, True), (16, 256, 128, 8, 3, True), (16, 64, 512, 4, 3, True), (16, 128, 256, 8, 3, True),
 ]
 M_DEFAULT = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 FULL_CANDIDATES = [  # block_m, block_n, block_k, warps, stages (swap-AB, PTX decode)
@@ -49,10 +55,12 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8") -> list[configs.Ge
     if mode == "full":
         tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True) for bm, bn, bk, w, s in FULL_CANDIDATES]
     else:
-        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, swap_ab=swap) for bm, bn, bk, w, s, swap in CANDIDATES]
+        rows = CANDIDATES + DECODE_CANDIDATES if m <= 16 else CANDIDATES
+        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, swap_ab=swap) for bm, bn, bk, w, s, swap in rows]
     for config in tiles:
         bm, bn = config.block_m, config.block_n
-        if bm > max(32, 2 * m) or (m >= 1024 and bm < 64) or (mode == "full" and bm < 16 * -(-m // 64)):
+        too_tall = bm > (16 if m <= 16 else max(32, 2 * m))
+        if too_tall or (m >= 1024 and bm < 64) or (mode == "full" and bm < 16 * -(-m // 64)):
             continue
         out.append(config)
         n_tiles = -(-m // bm) * -(-n // bn)
@@ -81,7 +89,7 @@ def time_baselines(x, weights, mode: str) -> dict[str, float]:
         "torch_fp16": graph_time_us([lambda c=c: torch.matmul(x, c["w"].t()) for c in weights]),
         "scaled_mm_pertensor": graph_time_us([lambda c=c: torch._scaled_mm(
             x8, c["w8t"], scale_a=x_scale, scale_b=c["w_scale"], out_dtype=torch.float16) for c in weights]),
-        "quantize_per_token": graph_time_us([lambda: nested_gemm.quantize_per_token(x)] * len(weights)),
+        "quantize_per_token": graph_time_us([lambda: fp8_activations.quantize_per_token(x)] * len(weights)),
         "table": time_mode(x, weights, None),
     }
 

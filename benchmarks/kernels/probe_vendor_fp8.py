@@ -20,7 +20,7 @@ import sys
 import torch
 from bench_nested_gemm import SHAPES, copies_for, graph_time_us
 
-from elastiserve.kernels import formats, nested_gemm
+from elastiserve.kernels import formats, fp8_activations, nested_gemm
 from elastiserve.kernels.formats import Nesting
 from elastiserve.platforms import current_platform
 
@@ -38,7 +38,7 @@ def planes(n: int, k: int, copies: int, nesting: Nesting):
 
 def vendor_fast(x, upper, nesting: Nesting, out_dtype: torch.dtype):
     """Our per-token quantizer, then the vendor FP8 GEMM on the upper plane (row-wise scales)."""
-    q, s = nested_gemm.quantize_per_token(x)
+    q, s = fp8_activations.quantize_per_token(x)
     w8, w_scale = formats.upper_as_fp8(upper, nesting)
     scale_b = torch.full((1, upper.shape[0]), w_scale, dtype=torch.float32, device=x.device)
     y = torch._scaled_mm(q, w8.t(), scale_a=s[:, None], scale_b=scale_b, out_dtype=out_dtype)
@@ -72,7 +72,7 @@ def time_baselines(x, e4m3, w8s, w_scales) -> dict[str, float]:
         "scaled_mm_pertensor": graph_time_us([
             lambda w8=w8, s=s: torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=s, out_dtype=torch.float16)
             for w8, s in zip(w8s, w_scales)]),
-        "quantize_per_token": graph_time_us([lambda: nested_gemm.quantize_per_token(x)] * len(e4m3)),
+        "quantize_per_token": graph_time_us([lambda: fp8_activations.quantize_per_token(x)] * len(e4m3)),
         "ours_fast": graph_time_us([lambda c=c: nested_gemm.nested_linear_op(
             x, c["upper"], c["lower"], None, int(Nesting.E4M3), True) for c in e4m3]),
     }

@@ -34,3 +34,12 @@ class DenseAttentionContext:
 
 def positions_for(seq_lens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.cat([torch.arange(n, device=device) for n in seq_lens])
+
+
+def dense_logits(model, sequences: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The model's logits (on the CPU) for each token of ``sequences``, each a fresh prefill from position 0."""
+    lens = [len(s) for s in sequences]
+    ids = torch.tensor([t for s in sequences for t in s], device=device)
+    with torch.no_grad():
+        hidden = model(ids, positions_for(lens, device), DenseAttentionContext(lens))
+        return model.compute_logits(hidden).cpu()

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 import transformers
-from dense_context import DenseAttentionContext, positions_for
+from dense_context import dense_logits
 from scripted_policies import EvictThenRestore
 
 from elastiserve.engine.config import EngineConfig
@@ -82,11 +82,7 @@ SEQUENCES = [[int(t) for t in torch.randint(0, 97, (n,), generator=torch.Generat
 
 
 def logits_of(model, device) -> torch.Tensor:
-    lens = [len(s) for s in SEQUENCES]
-    ids = torch.tensor([t for s in SEQUENCES for t in s], device=device)
-    with torch.no_grad():
-        hidden = model(ids, positions_for(lens, device), DenseAttentionContext(lens))
-        return model.compute_logits(hidden).cpu()
+    return dense_logits(model, SEQUENCES, device)
 
 
 def test_expert_planes_merge_back_bit_exactly(tiny_moe, device):

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from elastiserve.kernels import formats, nested_gemm
+from elastiserve.kernels import formats, fp8_activations, nested_gemm
 from elastiserve.kernels.configs import GemmConfig
 from elastiserve.kernels.formats import Nesting
 
@@ -154,15 +154,15 @@ def test_corrupted_lower_plane_is_caught(device):
 
 
 # One pass (short rows; long rows but few of them), then the two-pass loop (many long rows; rows over the limit).
-@pytest.mark.parametrize("m, k", [(7, 300), (7, 5000), (nested_gemm.QUANT_FEW_ROWS + 2, 5000),
-                                  (7, nested_gemm.QUANT_ONE_PASS_MAX_K + 77)])
+@pytest.mark.parametrize("m, k", [(7, 300), (7, 5000), (fp8_activations.QUANT_FEW_ROWS + 2, 5000),
+                                  (7, fp8_activations.QUANT_ONE_PASS_MAX_K + 77)])
 def test_quantize_per_token_bit_exact(device, m, k):
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]).half().to(device)
     x[5, k - 1] = 3e4  # the row's maximum in its last element: the tail chunk counts
     x[3] = 0  # an all-zero row must not divide by zero
-    q, scale = nested_gemm.quantize_per_token(x)
-    q_ref, scale_ref = nested_gemm.quantize_per_token_ref(x)
+    q, scale = fp8_activations.quantize_per_token(x)
+    q_ref, scale_ref = fp8_activations.quantize_per_token_ref(x)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
@@ -222,3 +222,19 @@ def test_sm90_fp8_tiles_split_only_long_k(m):
     assert narrow.block_m <= max(32, m) and wide.block_m <= max(32, 2 * m)
     sm80 = configs.choose_config("sm80", "fp8", m, 6144, 4096, 108)
     assert sm80 == replace(configs.TABLES["sm80"]["fp8"][configs.m_bucket(m)], split_k=sm80.split_k)
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+def test_sm90_fp8_decode_row(m):
+    """sm90's fp8 decode row (session 17's probe): 16-row token tiles, 16x64x512 up to N = 8192 and 16x128x256 wider,
+    split-K only from K = 8192 (the down projection: two splits of 14 K blocks); the MoE kernel keeps the bucketed
+    rows at these sizes."""
+    from elastiserve.kernels import configs
+
+    qkv, o, gate_up, down = (configs.choose_config("sm90", "fp8", m, n, k, 132)
+                             for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)))
+    assert (qkv.block_m, qkv.block_n, qkv.block_k) == (o.block_m, o.block_n, o.block_k) == (16, 64, 512)
+    assert (gate_up.block_m, gate_up.block_n, gate_up.block_k) == (16, 128, 256)
+    assert qkv.split_k == o.split_k == gate_up.split_k == 1 and down.split_k == 2 and down.block_k == 512
+    grouped = configs.choose_grouped_config("sm90", "fp8", m, 1536, 2048, 132)
+    assert grouped == replace(configs.TABLES["sm90"]["fp8"][configs.m_bucket(m)], split_k=1)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastiserve.engine.models.layers import Linear
+from elastiserve.engine.models.layers import Linear, takes_fp8_rows
 from elastiserve.platforms import ConfigError
 
 if TYPE_CHECKING:
@@ -34,6 +34,10 @@ class AllReduce(nn.Module):
         out = self.inner(x, *args)
         dist.all_reduce(out)
         return out
+
+    def takes_fp8_rows(self, rows: int) -> bool:
+        """The wrapped layer's answer: its input (this rank's shard of the rows) passes through unchanged."""
+        return takes_fp8_rows(self.inner, rows)
 
 
 def _rows(weight: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:

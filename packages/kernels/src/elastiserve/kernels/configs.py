@@ -117,7 +117,14 @@ _SM90: dict[str, dict[int, GemmConfig]] = {
 # with the quantizer): the bucketed rows above were 1.22-1.25x slower than each shape's best tile at 32-128 rows,
 # mostly from the occupancy split-K at K = 4096 (qkv at 64 rows: 18.3 us split 4, 12.1 us unsplit) and gate_up's
 # narrow tiles (64 rows: 52.5 -> 36.2 us). These rows are 1.00-1.15x of the per-shape best at every probed M.
+# The 16-row decode row (2-16 rows; one row is weight-only, nested_gemm.FP8_MIN_M) from session 17's probe of eight
+# 16-row tiles (probe_fp8_tiles.py --m 2 4 8 16, benchmarks/kernels/results/h200-fp8-decode-tiles-s17.json, quantizer
+# included): 16x64x512 is within 0.2 % of the best tile on qkv, o and down at every M, 16x128x256 within 0.6 % on
+# gate_up, against the bucketed 16x64x128 (6 stages, occupancy split) that ran 4-15 % slower (qkv 12.5 -> 11.2 us,
+# gate_up 37.2 -> 33.3 us at 2 rows). Split-K only from K = 8192, at the occupancy split with >= 4 K blocks a split
+# (down: 23.1 us split 2; o at K = 4096 lost 3 % split).
 _FP8_SM90_ROWS = (
+    (16, _G(16, 64, 512, num_warps=4, num_stages=3), _G(16, 128, 256, num_warps=4, num_stages=3)),
     (32, _G(32, 64, 256, num_warps=4, num_stages=4), _G(32, 64, 256, num_warps=4, num_stages=4)),
     (64, _G(64, 64, 256, num_warps=4, num_stages=4), _G(64, 128, 128, num_warps=4, num_stages=4, swap_ab=False)),
     (128, _G(64, 64, 256, num_warps=4, num_stages=4), _G(128, 256, 128, num_warps=8, num_stages=3, swap_ab=False)),
@@ -131,6 +138,7 @@ FP8_WIDE_N = 8192
 # Split-K pays for its fp32 partials and reduce launch only on long K: the down projection (K = 14336) at 32-64 rows
 # ran 24.6 / 25.7 us split in two against 27.8 / 28.8 unsplit; at K = 4096 no split won.
 FP8_SPLIT_MIN_K, FP8_SPLIT_MIN_K_BLOCKS = LONG_K, 16
+FP8_DECODE_SPLIT_MIN_K_BLOCKS = 4  # the decode row's 512-wide K blocks: K = 14336 has 28
 
 
 def _fp8_sm90_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
@@ -138,7 +146,8 @@ def _fp8_sm90_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
                   _FP8_SM90_LARGE)
     if k >= FP8_SPLIT_MIN_K:
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
-        split = _split_for_occupancy(tiles, -(-k // config.block_k), num_sms, min_blocks=FP8_SPLIT_MIN_K_BLOCKS)
+        min_blocks = FP8_DECODE_SPLIT_MIN_K_BLOCKS if m <= 16 else FP8_SPLIT_MIN_K_BLOCKS
+        split = _split_for_occupancy(tiles, -(-k // config.block_k), num_sms, min_blocks=min_blocks)
         if split > 1:
             config = replace(config, split_k=split)
     return config
@@ -210,7 +219,7 @@ def choose_grouped_config(arch: str, mode: str, rows_per_expert: int, n: int, k:
     if chosen:
         return chosen[-1]
     # Elsewhere full mode's dense rows (two weight bytes per element), without the decode for plain experts.
-    config = choose_config(arch, "full" if mode == "plain" else mode, rows_per_expert, n, k, num_sms)
+    config = choose_config(arch, "full" if mode == "plain" else mode, rows_per_expert, n, k, num_sms, grouped=True)
     return replace(config, split_k=1, ptx_decode=False) if mode == "plain" else replace(config, split_k=1)
 
 
@@ -230,15 +239,18 @@ def _split_for_occupancy(tiles: int, k_blocks: int, num_sms: int, max_split: int
     return best
 
 
-def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) -> GemmConfig:
-    """Deterministic tile choice for y[m, n] = x[m, k] @ W[n, k].T in ``mode``."""
+def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int, *, grouped: bool = False) -> GemmConfig:
+    """Deterministic tile choice for y[m, n] = x[m, k] @ W[n, k].T in ``mode``.
+
+    ``grouped``: the MoE kernel's fallback, which keeps sm90's bucketed fp8 rows at <= 16 rows (the dense decode row
+    of ``_FP8_SM90_ROWS`` was probed on dense shapes only)."""
     if mode not in MODES:
         raise ConfigError(f"unknown GEMM mode {mode!r}; expected one of {MODES}")
     bucket = m_bucket(m)
     tuned = _tuned.get((arch, mode, n, k, bucket))
     if tuned is not None:
         return tuned
-    if arch == "sm90" and mode == "fp8" and m > 16:
+    if arch == "sm90" and mode == "fp8" and not (grouped and m <= 16):
         return _fp8_sm90_config(m, n, k, num_sms)
     if arch == "sm90" and mode == "full" and 16 < m <= 32:
         return FULL_SM90_ROWS_32

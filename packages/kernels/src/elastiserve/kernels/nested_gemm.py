@@ -12,8 +12,10 @@ Full and weight-only modes at decode sizes go to the GEMV-style kernel in ``skin
 A prescaled E4M3 layer (planes of ``w * 2^-weight_exp``) gets its ``2^weight_exp`` back in the epilogue: the fp32
 accumulator is multiplied by ``w_scale`` (a power of two, so exact) before the bias.
 
-Registered op: ``elastiserve::nested_linear(x, upper, lower, bias, nesting, fast, weight_exp=0)``; pure-torch
-references at the bottom (``nested_linear_ref``, ``quantize_per_token_ref``).
+Registered ops: ``elastiserve::nested_linear(x, upper, lower, bias, nesting, fast, weight_exp=0)`` and
+``elastiserve::nested_linear_fp8(q, scale, upper, lower, bias, nesting, weight_exp=0)``, the fp8 mode on rows that a
+quantizing norm or SiLU-and-mul already turned into fp8 (``fp8_activations.py``); pure-torch references at the bottom
+(``nested_linear_ref``, ``nested_linear_fp8_ref``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ import triton.language as tl
 
 from elastiserve.kernels import configs, formats
 from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.fp8_activations import (
+    check_fp8_rows,
+    platform_fnuz,
+    quantize_per_token,
+    quantize_per_token_ref,
+)
 from elastiserve.kernels.merge_planes import merge_planes
 from elastiserve.kernels.weight_decode import load_weight_tile
 from elastiserve.platforms import ConfigError, FastGemm, Vendor, current_platform
@@ -42,17 +50,6 @@ MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
 # 28.7, Qwen3 gate_up 29.3 vs 35.6, down 22.9 vs 26.3). Both run a 16-row token tile from 2 rows on, so that holds
 # from 2 rows; one row keeps the skinny weight-only kernel (1.58-1.84x fp16). The grouped MoE GEMM: fp8 from row 1.
 FP8_MIN_M = {"sm90": 2}
-# A row is quantized from registers in one read of x (up to 16 warps: 32 fp32 values a thread) when it is short, or
-# when there are few rows; else a loop over 1,024-wide chunks reads it twice (4 warps, one program a row). On the
-# H200 (session 16, benchmarks/kernels/results/h200-vendor-fp8-s16.json and h200-fp8-tiles-s16.json): K = 4096 one
-# pass 2.2 us at 16-64 rows and 19.4 us at 4,096 rows against 3.1 / 21.5 us for the loop; K = 14336 one pass 5.1 us
-# at 32-128 rows against 9.0 us, but 16.5 / 38.8 / 178.8 us at 512 / 1,024 / 4,096 rows against the loop's 10.0 /
-# 17.4 / 88.9 us (512-thread programs holding a whole row: too few resident to hide the load's latency).
-QUANT_ONE_PASS_MAX_K = 16384
-QUANT_SHORT_K, QUANT_FEW_ROWS = 4096, 128
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
-_FP8_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e4m3fnuz: 2.0**-7}
-_SCALE_FLOOR = 1e-8
 
 
 @triton.jit
@@ -140,71 +137,6 @@ def _split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.con
     tl.store(out_ptr + offs, acc.to(tl.float16), mask=mask)
 
 
-@triton.jit
-def _to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
-    q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as the reference
-    if ROUND_IN_SOFTWARE:
-        # The Triton 3.6 interpreter's fp32 -> fp8 cast drops the carry when rounding crosses a power of two
-        # (126.8 -> 64). Round to 3 mantissa bits here (RNE on the fp32 bits) so the cast is exact; below the
-        # smallest normal the grid is fixed (MIN_NORMAL / 8): adding 1.5 * 2^23 steps rounds to it (RNE in fp32).
-        bits = q.to(tl.uint32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        magic = MIN_NORMAL * 0.125 * 12582912.0
-        small = ((tl.abs(q) + magic) - magic).to(tl.uint32, bitcast=True)
-        small = (small | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # q's sign, also on a zero
-        q = tl.where(tl.abs(q) < MIN_NORMAL, small, normal)
-    return q
-
-
-@triton.jit
-def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
-                               MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, ONE_PASS: tl.constexpr,
-                               BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
-    if ONE_PASS:  # the whole row in registers: one read of x
-        offs = tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), FP8_MAX)
-        tl.store(scale_ptr + row, scale)
-        q = _to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-    else:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            offs = k + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), FP8_MAX)
-        tl.store(scale_ptr + row, scale)
-        for k in range(0, K, BLOCK_K):
-            offs = k + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            q = _to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
-            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-
-
-def activation_fp8_dtype(fnuz: bool) -> torch.dtype:
-    return torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
-
-
-def quantize_per_token(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row e4m3 quantization: (x_fp8[M, K], scale[M] fp32) with x ~ x_fp8 * scale."""
-    m, k = x.shape
-    dtype = activation_fp8_dtype(fnuz)
-    q = torch.empty((m, k), dtype=dtype, device=x.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-    if m:
-        one_pass = k <= QUANT_SHORT_K or (k <= QUANT_ONE_PASS_MAX_K and m <= QUANT_FEW_ROWS)
-        block_k = triton.next_power_of_2(max(k, 16)) if one_pass else 1024
-        num_warps = max(4, min(block_k // 512, current_platform().max_num_warps)) if one_pass else 4
-        _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=_FP8_MAX[dtype],
-                                         MIN_NORMAL=_FP8_MIN_NORMAL[dtype], ROUND_IN_SOFTWARE=triton_interpret(),
-                                         ONE_PASS=one_pass, BLOCK_K=block_k,
-                                         num_warps=num_warps)
-    return q, scale
-
-
 def upper_for_kernel(upper: torch.Tensor, nesting: int, mode: str, fnuz: bool) -> torch.Tensor:
     """OCP fp8 mode reads the plane through an fp8 pointer (zero-copy view) so tiles go straight to the MMA."""
     if mode == "fp8" and not fnuz:
@@ -247,9 +179,16 @@ def register_cap(config: configs.GemmConfig) -> dict:
 
 def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                 nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
-                config: configs.GemmConfig | None = None) -> torch.Tensor:
-    """Launch the Triton kernel(s): x fp16 [M, K], planes uint8 [N, K] (of ``w * 2^-weight_exp``) -> fp16 [M, N]."""
-    if x.dim() != 2 or x.dtype != torch.float16:
+                config: configs.GemmConfig | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the Triton kernel(s): x fp16 [M, K], planes uint8 [N, K] (of ``w * 2^-weight_exp``) -> fp16 [M, N].
+
+    ``x_scale`` (fp8 mode only): x is already ``quantize_per_token``'s fp8 rows and this their fp32 scales [M], as
+    the quantizing norms and SiLU-and-mul write them (``fp8_rows.py``); the GEMM then launches alone."""
+    if x_scale is not None:
+        if mode != "fp8":
+            raise ConfigError(f"pre-quantized fp8 rows feed fp8 mode only, not {mode!r}")
+        check_fp8_rows(x, x_scale, fnuz)
+    elif x.dim() != 2 or x.dtype != torch.float16:
         raise ValueError(f"x must be 2-D fp16, got {tuple(x.shape)} {x.dtype}")
     if upper.shape != lower.shape or upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
         raise ValueError("upper and lower must be uint8 planes of one shape")
@@ -273,15 +212,15 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     if mode == "fp8" and config.block_k < 32:
         raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
     check_ptx_decode(config, platform)
-    x_scale = x  # placeholder pointer when unused
-    if mode == "fp8":
+    if mode == "fp8" and x_scale is None:
         x, x_scale = quantize_per_token(x, fnuz)
     out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
     _nested_gemm_kernel[grid](
-        x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
+        x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only
+        upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
         bias if bias is not None else x, target,
         m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
         x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
@@ -316,10 +255,6 @@ def fast_mode_for(m: int, *, grouped: bool = False) -> str:
     return "weight_only"
 
 
-def _is_fnuz() -> bool:
-    return current_platform().fast_gemm is FastGemm.FP8_MMA_FNUZ
-
-
 def full_via_merged_weight(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                            nesting: int, weight_exp: int = 0) -> torch.Tensor:
     """Full mode for many rows: decode the exact fp16 weight once into scratch, then the vendor fp16 GEMM."""
@@ -336,10 +271,10 @@ def nested_linear_op(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, 
     mode = fast_mode_for(x.shape[0]) if fast else "full"
     platform = current_platform()
     if platform.kernel_backend == "reference":
-        return nested_linear_ref(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz(), weight_exp=weight_exp)
+        return nested_linear_ref(x, upper, lower, bias, nesting, mode, fnuz=platform_fnuz(), weight_exp=weight_exp)
     if mode == "full" and configs.materializes_full(platform.arch, x.shape[0]):
         return full_via_merged_weight(x, upper, lower, bias, nesting, weight_exp)
-    return nested_gemm(x, upper, lower, bias, nesting, mode, fnuz=_is_fnuz(), weight_exp=weight_exp)
+    return nested_gemm(x, upper, lower, bias, nesting, mode, fnuz=platform_fnuz(), weight_exp=weight_exp)
 
 
 @nested_linear_op.register_fake
@@ -347,31 +282,24 @@ def _(x, upper, lower, bias, nesting, fast, weight_exp=0):
     return x.new_empty((x.shape[0], upper.shape[0]))
 
 
-@torch.library.custom_op("elastiserve::quantize_per_token", mutates_args=())
-def quantize_per_token_op(x: torch.Tensor, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("elastiserve::nested_linear_fp8", mutates_args=())
+def nested_linear_fp8_op(q: torch.Tensor, scale: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
+                         bias: torch.Tensor | None, nesting: int, weight_exp: int = 0) -> torch.Tensor:
+    """Fast mode's fp8 GEMM on rows already quantized (``quantize_per_token``'s pair, as the quantizing norms and
+    SiLU-and-mul write it): what ``nested_linear`` computes in fp8 mode, without its quantizer launch."""
+    fnuz = platform_fnuz()
     if current_platform().kernel_backend == "reference":
-        return quantize_per_token_ref(x, fnuz)
-    return quantize_per_token(x, fnuz)
+        check_fp8_rows(q, scale, fnuz)
+        return nested_linear_fp8_ref(q, scale, upper, lower, bias, nesting, fnuz=fnuz, weight_exp=weight_exp)
+    return nested_gemm(q, upper, lower, bias, nesting, "fp8", fnuz=fnuz, weight_exp=weight_exp, x_scale=scale)
 
 
-@quantize_per_token_op.register_fake
-def _(x, fnuz):
-    return x.new_empty(x.shape, dtype=activation_fp8_dtype(fnuz)), x.new_empty((x.shape[0],), dtype=torch.float32)
+@nested_linear_fp8_op.register_fake
+def _(q, scale, upper, lower, bias, nesting, weight_exp=0):
+    return q.new_empty((q.shape[0], upper.shape[0]), dtype=torch.float16)
 
 
 # ---- pure-torch references ------------------------------------------------------------------------------------
-
-
-def quantize_per_token_ref(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = activation_fp8_dtype(fnuz)
-    fp8_max = _FP8_MAX[dtype]
-    xf = x.float()
-    amax = xf.abs().amax(dim=1).clamp_min(_SCALE_FLOOR)
-    # A tensor divisor, not the float: on CUDA torch turns division by a Python scalar into multiplication by its
-    # reciprocal, which differed from the kernel's IEEE division in the last bit on the H200.
-    scale = amax / torch.full_like(amax, fp8_max)
-    q = (xf / scale[:, None]).clamp(-fp8_max, fp8_max).to(dtype)
-    return q, scale
 
 
 def reference_weight(upper: torch.Tensor, lower: torch.Tensor, nesting: int, mode: str,
@@ -392,12 +320,20 @@ def reference_weight(upper: torch.Tensor, lower: torch.Tensor, nesting: int, mod
 def nested_linear_ref(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                       nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0) -> torch.Tensor:
     """fp32 math, fp16 out: what every kernel mode must match."""
-    w = reference_weight(upper, lower, nesting, mode, fnuz, weight_exp)
     if mode == "fp8":
         q, scale = quantize_per_token_ref(x, fnuz)
-        y = (q.float() @ w.T) * scale[:, None]
-    else:
-        y = x.float() @ w.T
+        return nested_linear_fp8_ref(q, scale, upper, lower, bias, nesting, fnuz=fnuz, weight_exp=weight_exp)
+    y = x.float() @ reference_weight(upper, lower, nesting, mode, fnuz, weight_exp).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.float16)
+
+
+def nested_linear_fp8_ref(q: torch.Tensor, scale: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
+                          bias: torch.Tensor | None, nesting: int, *, fnuz: bool = False,
+                          weight_exp: int = 0) -> torch.Tensor:
+    """fp8 mode on quantized rows: fp32 math, fp16 out."""
+    y = (q.float() @ reference_weight(upper, lower, nesting, "fp8", fnuz, weight_exp).T) * scale[:, None]
     if bias is not None:
         y = y + bias.float()
     return y.to(torch.float16)

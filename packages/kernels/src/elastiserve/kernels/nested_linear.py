@@ -15,7 +15,8 @@ from torch import nn
 
 from elastiserve.kernels import formats
 from elastiserve.kernels.formats import Nesting
-from elastiserve.kernels.nested_gemm import nested_linear_op
+from elastiserve.kernels.fp8_activations import Fp8Rows
+from elastiserve.kernels.nested_gemm import fast_mode_for, nested_linear_fp8_op, nested_linear_op
 from elastiserve.platforms import ConfigError
 
 PRECISION_MODES = ("full", "fast")
@@ -115,7 +116,17 @@ class NestedLinear(nn.Module):
             raise ConfigError("lower plane must be contiguous along K")
         self.lower = plane  # assigning a tensor to a registered buffer name keeps it a buffer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self, rows: int) -> bool:
+        """Whether a forward over ``rows`` rows runs fast mode's fp8 GEMM, so that the norm or SiLU-and-mul before
+        it may hand it ``Fp8Rows`` (quantized in that kernel) instead of fp16 rows for the GEMM to quantize."""
+        return self.is_nested and self.fast and fast_mode_for(rows) == "fp8"
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):
+            if not self.takes_fp8_rows(x.num_rows):
+                raise ConfigError(f"fp8 rows handed to a layer that does not run fp8 for them ({self.extra_repr()})")
+            return nested_linear_fp8_op(x.q, x.scale, self.upper, self.lower, self.bias, int(self.nesting),
+                                        self.weight_exp)
         if not self.is_nested:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         lead = x.shape[:-1]

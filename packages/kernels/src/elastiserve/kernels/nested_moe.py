@@ -29,14 +29,12 @@ import triton.language as tl
 
 from elastiserve.kernels import configs
 from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.fp8_activations import platform_fnuz, quantize_per_token, quantize_per_token_ref
 from elastiserve.kernels.nested_gemm import (
     MODE_IDS,
-    _is_fnuz,
     check_ptx_decode,
     fast_mode_for,
     lower_for_kernel,
-    quantize_per_token,
-    quantize_per_token_ref,
     reference_weight,
     register_cap,
     upper_for_kernel,
@@ -255,9 +253,9 @@ def nested_moe_op(x_sorted: torch.Tensor, upper: torch.Tensor, lower: torch.Tens
                   source_rows: torch.Tensor | None = None) -> torch.Tensor:
     mode = fast_mode_for(product_rows(x_sorted, source_rows), grouped=True) if fast else "full"
     if current_platform().kernel_backend == "reference":
-        return nested_moe_ref(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz(),
+        return nested_moe_ref(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=platform_fnuz(),
                               weight_exp=weight_exp, source_rows=source_rows)
-    return nested_moe_gemm(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=_is_fnuz(),
+    return nested_moe_gemm(x_sorted, upper, lower, expert_offsets, nesting, mode, fnuz=platform_fnuz(),
                            weight_exp=weight_exp, source_rows=source_rows)
 
 

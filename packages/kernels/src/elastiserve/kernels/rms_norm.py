@@ -5,6 +5,11 @@ Math, in HF's order so that fp16 outputs agree with transformers: normalise in f
 the residual in the input dtype (one rounding, as ``hidden + residual`` does) and returns that sum as well, so a
 decoder layer reads and writes its residual stream once per norm instead of launching an add and ~8 norm ops.
 
+The ``*_quant`` ops write the normalised fp16 row as fast mode's fp8 GEMM takes it, per-token E4M3 with its fp32
+scale (``fp8_activations.quantize_row``), instead of the fp16 row: the same bytes as ``quantize_per_token`` on the
+fp16 output, without its launch (2.0-3.0 us a GEMM at 2-16 rows of K = 4096 on the H200,
+benchmarks/kernels/results/h200-fp8-decode-tiles-s17.json) or the fp16 row's write and read.
+
 Every op runs Triton when ``current_platform().kernel_backend == "triton"`` and the pure-torch ``*_ref`` otherwise.
 """
 
@@ -14,6 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from elastiserve.kernels.fp8_activations import (
+    activation_fp8_dtype,
+    empty_fp8_rows,
+    fp8_constants,
+    quantize_per_token_ref,
+    quantize_row,
+)
 from elastiserve.platforms import current_platform
 from elastiserve.platforms.errors import ElastiserveError
 
@@ -31,7 +43,9 @@ def _use_triton() -> bool:
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr,  # [R, N] contiguous
+    out_ptr,  # [R, N] contiguous; written unless QUANT
+    q_ptr,  # [R, N] fp8 and
+    scale_ptr,  # [R] fp32: written with QUANT
     residual_out_ptr,  # [R, N] contiguous; written only with HAS_RESIDUAL
     x_ptr,  # rows of x: row r = (r // rows_inner, r % rows_inner), see _row_layout
     residual_ptr,  # same row layout as x (its own strides); read only with HAS_RESIDUAL
@@ -44,6 +58,10 @@ def _rms_norm_kernel(
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    ROUND_IN_SOFTWARE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -60,8 +78,13 @@ def _rms_norm_kernel(
     normed = (x32 * tl.math.rsqrt(mean_square + eps)).to(x.dtype)  # HF rounds here, before the weight
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     # An fp16 (or bf16) product is exact in fp32, so one rounding here equals the fp16 multiply torch does.
-    out = normed.to(tl.float32) * weight.to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (normed.to(tl.float32) * weight.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if QUANT:  # the fp16 row quantized as quantize_per_token would read it back (masked lanes are 0)
+        q, scale = quantize_row(out.to(tl.float32), FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
 
 
 def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -87,10 +110,15 @@ def _num_warps(block: int) -> int:
     return max(1, min(block // 256, current_platform().max_num_warps))
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None, fnuz: bool = False):
+    """(out, new residual); with ``fp8_rows`` (q, scale) those are written instead of ``out`` (left empty)."""
     has_residual = residual is not None
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    quant = fp8_rows is not None
+    out_shape = (0,) if quant else x.shape  # a quantizing launch writes no fp16 row
+    out = torch.empty(out_shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_residual else out
+    q, scale = fp8_rows if quant else (out, out)
     n_cols = x.shape[-1]
     num_rows = x.numel() // n_cols if n_cols else 0
     if num_rows == 0:
@@ -104,9 +132,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             sxo, sxi, sro, sri, rows_inner = n_cols, 0, n_cols, 0, 1
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(num_rows,)](
-        out, residual_out, x, residual if has_residual else x, weight.contiguous(),
+        out, q, scale, residual_out, x, residual if has_residual else x, weight.contiguous(),
         sxo, sxi, sro, sri, rows_inner, n_cols, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=has_residual, QUANT=quant, **fp8_constants(fnuz), BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
     return out, residual_out
 
@@ -160,6 +188,55 @@ def _(x, residual, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
 
 
+def _check_quant(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if torch.promote_types(x.dtype, weight.dtype) != torch.float16:
+        raise ElementwiseShapeError(f"a quantizing norm takes fp16 rows, got x {x.dtype} and weight {weight.dtype}")
+
+
+def _quantized_launch(x, residual, weight, eps, fnuz):
+    rows = empty_fp8_rows(x.numel() // x.shape[-1], x.shape[-1], fnuz, x.device)
+    _, new_residual = _launch(x, residual, weight, eps, rows, fnuz)
+    return (*rows, new_residual)
+
+
+@torch.library.custom_op("elastiserve::rms_norm_quant", mutates_args=())
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token(rms_norm(x, weight, eps).view(-1, N))``: (q fp8 [R, N], scale fp32 [R]) for fp16 rows."""
+    _check(x, weight)
+    _check_quant(x, weight)
+    if _use_triton():
+        return _quantized_launch(x, None, weight, eps, fnuz)[:2]
+    return rms_norm_quant_ref(x, weight, eps, fnuz)
+
+
+def _fake_fp8_rows(x: torch.Tensor, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty((rows, x.shape[-1]), dtype=activation_fp8_dtype(fnuz)), x.new_empty((rows,), dtype=torch.float32)
+
+
+@rms_norm_quant.register_fake
+def _(x, weight, eps, fnuz):
+    return _fake_fp8_rows(x, fnuz)
+
+
+@torch.library.custom_op("elastiserve::fused_add_rms_norm_quant", mutates_args=())
+def fused_add_rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fnuz: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm`` with its output quantized per token: (q [R, N], scale [R], new_residual)."""
+    _check(x, weight, residual)
+    _check_quant(x, weight)
+    if _use_triton():
+        return _quantized_launch(x, residual, weight, eps, fnuz)
+    q, scale, new_residual = fused_add_rms_norm_quant_ref(x, residual, weight, eps, fnuz)
+    return q, scale, new_residual.contiguous()
+
+
+@fused_add_rms_norm_quant.register_fake
+def _(x, residual, weight, eps, fnuz):
+    return (*_fake_fp8_rows(x, fnuz), x.new_empty(x.shape))
+
+
 # ------------------------------------------------------------------------------------ pure-torch references
 
 
@@ -174,3 +251,14 @@ def fused_add_rms_norm_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = residual + x
     return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, fnuz: bool = False):
+    out = rms_norm_ref(x, weight, eps)
+    return quantize_per_token_ref(out.reshape(-1, out.shape[-1]), fnuz)
+
+
+def fused_add_rms_norm_quant_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 fnuz: bool = False):
+    out, new_residual = fused_add_rms_norm_ref(x, residual, weight, eps)
+    return (*quantize_per_token_ref(out.reshape(-1, out.shape[-1]), fnuz), new_residual)

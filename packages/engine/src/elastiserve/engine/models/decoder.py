@@ -14,7 +14,15 @@ import torch
 from torch import nn
 
 from elastiserve.engine.models.config import ModelConfig
-from elastiserve.engine.models.layers import Attention, AttentionContext, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from elastiserve.engine.models.layers import (
+    Attention,
+    AttentionContext,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    takes_fp8_rows,
+)
 from elastiserve.engine.models.moe import SparseMoeBlock, padding_rows_of
 from elastiserve.platforms import ElastiserveError
 
@@ -53,12 +61,15 @@ class DecoderLayer(nn.Module):
         """(mlp output, residual stream before adding it). Each residual add is fused into the norm that follows it,
         so ``hidden`` is the previous layer's MLP output still to be added (the embeddings, with ``residual`` None,
         for the first layer). Row-parallel outputs are all-reduced inside ``self_attn`` / ``mlp``, before any add."""
+        rows = hidden.shape[0]
+        fp8 = takes_fp8_rows(self.self_attn.qkv_proj, rows)  # fast mode's fp8 GEMM: the norm quantizes for it
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, fp8=fp8)
         else:
-            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual, fp8=fp8)
         hidden = self.self_attn(hidden, positions, rotary, ctx)
-        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        fp8 = not self.is_moe and takes_fp8_rows(self.mlp.gate_up_proj, rows)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual, fp8=fp8)
         if self.is_moe:  # padding rows of a padded step route to no expert
             return self.mlp(hidden, padding_rows), residual
         return self.mlp(hidden), residual

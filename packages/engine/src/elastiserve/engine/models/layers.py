@@ -3,6 +3,10 @@
 The elementwise work (norms, residual adds, rotary, SiLU-and-mul) runs as fused ``elastiserve::`` ops on a GPU, one
 kernel each where the unfused torch code launched 42 per layer; on the CPU their pure-torch references run, which
 compute exactly what the unfused code did.
+
+In fast mode the norms before qkv and gate_up and the SiLU-and-mul before down quantize their output for the fp8
+GEMM that follows (``Fp8Rows``) when that layer says it runs fp8 at this row count (``NestedLinear.takes_fp8_rows``):
+the same bytes the GEMM's own quantizer would write, one launch fewer per GEMM.
 """
 
 from __future__ import annotations
@@ -17,9 +21,15 @@ from torch import nn
 from elastiserve.engine.models.config import ModelConfig, RopeConfig
 from elastiserve.kernels import skinny_gemm  # noqa: F401  (registers elastiserve::skinny_linear)
 from elastiserve.kernels.configs import SKINNY_MAX_ROWS
-from elastiserve.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from elastiserve.kernels.fp8_activations import Fp8Rows, platform_fnuz
+from elastiserve.kernels.rms_norm import (
+    fused_add_rms_norm_quant_ref,
+    fused_add_rms_norm_ref,
+    rms_norm_quant_ref,
+    rms_norm_ref,
+)
 from elastiserve.kernels.rotary import rotary_embedding_ref
-from elastiserve.kernels.silu_mul import silu_and_mul_ref
+from elastiserve.kernels.silu_mul import silu_and_mul_quant_ref, silu_and_mul_ref
 
 # As attention_context.kernel_ops: Triton on the CPU is only interpreted (for the kernel tests), so the CPU gets the
 # references directly rather than through the ops.
@@ -28,18 +38,31 @@ REFERENCE_OPS = SimpleNamespace(
     fused_add_rms_norm=fused_add_rms_norm_ref,
     rotary_embedding=rotary_embedding_ref,
     silu_and_mul=silu_and_mul_ref,
+    rms_norm_quant=rms_norm_quant_ref,
+    fused_add_rms_norm_quant=fused_add_rms_norm_quant_ref,
+    silu_and_mul_quant=silu_and_mul_quant_ref,
 )
 FUSED_OPS = SimpleNamespace(
     rms_norm=torch.ops.elastiserve.rms_norm,
     fused_add_rms_norm=torch.ops.elastiserve.fused_add_rms_norm,
     rotary_embedding=torch.ops.elastiserve.rotary_embedding,
     silu_and_mul=torch.ops.elastiserve.silu_and_mul,
+    rms_norm_quant=torch.ops.elastiserve.rms_norm_quant,
+    fused_add_rms_norm_quant=torch.ops.elastiserve.fused_add_rms_norm_quant,
+    silu_and_mul_quant=torch.ops.elastiserve.silu_and_mul_quant,
 )
 
 
 def elementwise_ops(device: torch.device) -> SimpleNamespace:
     """rms_norm / fused_add_rms_norm / rotary_embedding / silu_and_mul for tensors on ``device``."""
     return REFERENCE_OPS if device.type == "cpu" else FUSED_OPS
+
+
+def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:
+    """Whether ``linear`` (a ``NestedLinear``, or a wrapper that passes its input through) runs fp8 on ``rows`` rows
+    and so takes ``Fp8Rows``; plain linears never do."""
+    takes = getattr(linear, "takes_fp8_rows", None)
+    return takes is not None and takes(rows)
 
 
 class AttentionContext(Protocol):
@@ -63,13 +86,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, cast back before the weight multiply (the order HF uses, so fp16 outputs agree).
+    def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
+        """Normalise in fp32, cast back before the weight multiply (the order HF uses, so fp16 outputs agree);
+        ``fp8``: the fp16 rows quantized per token for an fp8 GEMM."""
+        if fp8:
+            return Fp8Rows(*elementwise_ops(x.device).rms_norm_quant(x, self.weight, self.eps, platform_fnuz()))
         return elementwise_ops(x.device).rms_norm(x, self.weight, self.eps)
 
-    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor,
+                              fp8: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add before a norm, fused into it."""
-        return elementwise_ops(x.device).fused_add_rms_norm(x, residual, self.weight, self.eps)
+        ops = elementwise_ops(x.device)
+        if fp8:
+            q, scale, new_residual = ops.fused_add_rms_norm_quant(x, residual, self.weight, self.eps, platform_fnuz())
+            return Fp8Rows(q, scale), new_residual
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -135,8 +166,8 @@ class Attention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # hidden: or Fp8Rows
+        tokens = q.shape[0]
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
@@ -155,10 +186,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(silu_and_mul(gate_up, fp8=takes_fp8_rows(self.down_proj, gate_up.shape[0])))
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up[..., 2I] (gate first) -> [..., I]."""
+def silu_and_mul(gate_up: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
+    """silu(gate) * up for gate_up[..., 2I] (gate first) -> [..., I]; ``fp8``: rows quantized per token."""
+    if fp8:
+        return Fp8Rows(*elementwise_ops(gate_up.device).silu_and_mul_quant(gate_up, platform_fnuz()))
     return elementwise_ops(gate_up.device).silu_and_mul(gate_up)
