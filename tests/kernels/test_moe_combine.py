@@ -38,7 +38,11 @@ def test_matches_reference_and_the_index_add_route(device, tokens, hidden, top_k
     out = combine(expert_out, row_of, weights)
     ref = moe_combine_ref(expert_out, row_of, weights)
     assert out.shape == (tokens, hidden) and out.dtype == torch.float16
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # same fp32 products, same sum order, one rounding
+    if device.type == "cpu":  # same fp32 products, same sum order, one rounding
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    else:  # the GPU compiler fuses each multiply-add (one fp32 rounding where the reference has two): at 8 rows
+        # a token that was off in the last fp32 bit on the H200 (session 17); within one fp16 ulp after the output's
+        torch.testing.assert_close(out, ref, rtol=2**-10, atol=2**-14)
     # the route it replaced: fp32 weighted rows scattered into their tokens (sum order differs: within an ulp)
     flat_w = weights.reshape(-1)[order]
     legacy = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)

@@ -5,7 +5,8 @@ token t's j-th expert row landed (the inverse of the sort). One program per (tok
 weights them in fp32 and sums them in j order, then writes one rounding in the output dtype. It replaces the fp32
 route ``index_add_(expert_out.float() * weight[order])``: at R rows of H columns that writes and re-reads an fp32
 copy of ``expert_out`` (two bytes in, eight bytes through memory per element, and R * H float atomics) where this
-reads the fp16 rows once; and its sum order is fixed, where atomics sum in whatever order the rows arrive.
+reads the fp16 rows once; and its sum order is fixed, where atomics sum in whatever order the rows arrive. (A GPU
+compiler fuses each multiply-add into one FMA, so there the sum can differ from the reference's in the last fp32 bit.)
 Padding rows of a padded step (``padding_rows[T]`` True) come out zero without reading their rows, which no expert
 wrote.
 
