@@ -398,6 +398,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--throughput-kv-gib", type=float, default=24.0, help="(d): KV pool per policy")
     p.add_argument("--cpu-kv-blocks", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp8-min-rows-quantized", type=int, default=None,
+                   help="fast mode's fp8 threshold for rows quantized by a norm or SiLU-and-mul on this GPU "
+                        "(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT); default: the table's")
     args = p.parse_args(argv)
     args.batches = sorted(set(args.batches))
     if args.switch_steps < 4:
@@ -410,14 +413,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from elastiserve.kernels import nested_gemm
+    from elastiserve.platforms import current_platform
+
     args = parse_args(argv)
     threads = torch.get_num_threads()
+    thresholds = dict(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT)
     if args.device == "cpu":
         torch.set_num_threads(1)  # tiny CPU smoke runs: intra-op threads only add spin-wait on a shared machine
+    if args.fp8_min_rows_quantized is not None:  # before any graph is captured: the routing is baked into them
+        nested_gemm.FP8_MIN_M_QUANTIZED_INPUT[current_platform().arch] = args.fp8_min_rows_quantized
     try:
         return _run(args)
     finally:
         torch.set_num_threads(threads)
+        nested_gemm.FP8_MIN_M_QUANTIZED_INPUT.clear()
+        nested_gemm.FP8_MIN_M_QUANTIZED_INPUT.update(thresholds)
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:

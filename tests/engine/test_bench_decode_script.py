@@ -38,9 +38,12 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     out = tmp_path / "decode.json"
     argv = ["--device", "cpu", "--model", json.dumps(TINY), "--requests", "8", "--batch", "1", "2", "--context", "12",
             "--iters", "2", "--trials", "2", "--switch-batch", "2", "--switch-steps", "4", "--max-model-len", "64",
-            "--policies", "static-fp16", "elastickv", "--out", str(out)]
+            "--policies", "static-fp16", "elastickv", "--fp8-min-rows-quantized", "1", "--out", str(out)]
     if TRACES.is_dir():
         argv += ["--trace-dir", str(TRACES)]
+    from elastiserve.kernels import nested_gemm
+
+    thresholds = dict(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT)
     load_script().main(argv)
     data = json.loads(out.read_text())
     assert set(data) == {"metadata", "roofline", "fp16_steps", "fast_full", "fast_full_target", "switch", "throughput",
@@ -48,6 +51,8 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     meta = data["metadata"]
     assert {"device", "torch", "triton", "commit", "settings"} <= set(meta) and len(meta["commit"]) == 40
     assert meta["settings"]["batches"] == [1, 2] and meta["settings"]["device"] == "cpu"
+    assert meta["settings"]["fp8_min_rows_quantized"] == 1
+    assert thresholds == nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, "the run restores the routing table"
     roof = data["roofline"]
     assert roof["step_s"] > 0 and roof["copy"]["bytes_per_s"] > 0 and roof["fraction"] > 0
     # per layer: qkv 64x128, o 64x64, gate_up 64x192, down 96x64, two norms; then the final norm and lm_head 256x64

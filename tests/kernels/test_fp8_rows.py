@@ -170,8 +170,8 @@ def test_nested_linear_takes_fp8_rows_only_where_it_runs_fp8(device, monkeypatch
         layer(rows_in)
     layer.set_mode("fast")
     # The CPU has no fp8 MMA: fast mode there is weight-only unless the platform says otherwise.
-    monkeypatch.setattr("elastiserve.kernels.nested_linear.fast_mode_for", lambda rows: "fp8")
-    monkeypatch.setattr("elastiserve.kernels.nested_gemm.fast_mode_for", lambda rows: "fp8")
+    monkeypatch.setattr("elastiserve.kernels.nested_linear.fast_mode_for", lambda rows, **_: "fp8")
+    monkeypatch.setattr("elastiserve.kernels.nested_gemm.fast_mode_for", lambda rows, **_: "fp8")
     assert layer.takes_fp8_rows(4)
     assert torch.equal(layer(rows_in), layer(x))
 
@@ -191,3 +191,20 @@ def test_compiled_norm_gemm_silu_gemm(device):
     expected = block(x)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if device.type == "cpu" else "inductor")
     assert torch.equal(compiled(x), expected)
+
+
+def test_fast_mode_threshold_for_quantized_input(monkeypatch):
+    """Rows that arrive quantized have their own fp8 threshold (no quantizer launch to pay for): with it at 1 and the
+    plain one at 2, one row runs fp8 only where a norm or SiLU-and-mul quantized it; the MoE kernel from 1 row."""
+    from dataclasses import replace
+
+    from elastiserve.platforms import FastGemm, current_platform
+
+    sm90 = replace(current_platform(), arch="sm90", facts=replace(current_platform().facts, fast_gemm=FastGemm.FP8_MMA))
+    monkeypatch.setattr(nested_gemm, "current_platform", lambda: sm90)
+    monkeypatch.setitem(nested_gemm.FP8_MIN_M, "sm90", 2)
+    monkeypatch.setitem(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, "sm90", 1)
+    assert nested_gemm.fast_mode_for(1) == "weight_only"
+    assert nested_gemm.fast_mode_for(1, quantized_input=True) == "fp8"
+    assert nested_gemm.fast_mode_for(1, grouped=True) == "fp8"
+    assert nested_gemm.fast_mode_for(2) == nested_gemm.fast_mode_for(2, quantized_input=True) == "fp8"

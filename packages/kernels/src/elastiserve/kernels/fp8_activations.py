@@ -135,7 +135,8 @@ def quantize_per_token(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tenso
 
 
 def row_warps(block: int) -> int:
-    """Warps for a program that holds a whole row of ``block`` values: ~16 fp32 values a thread, 4 at least."""
+    """Warps for a program that holds a whole row of ``block`` values: 16 fp32 values a thread, 4 warps at least and
+    the vendor's cap at most (32 on NVIDIA; AMD's 16 leave 32 values a thread in a 16,384-wide row)."""
     return max(4, min(block // 512, current_platform().max_num_warps))
 
 

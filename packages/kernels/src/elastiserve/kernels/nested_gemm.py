@@ -50,6 +50,11 @@ MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
 # 28.7, Qwen3 gate_up 29.3 vs 35.6, down 22.9 vs 26.3). Both run a 16-row token tile from 2 rows on, so that holds
 # from 2 rows; one row keeps the skinny weight-only kernel (1.58-1.84x fp16). The grouped MoE GEMM: fp8 from row 1.
 FP8_MIN_M = {"sm90": 2}
+# The same threshold for rows that arrive already quantized (``Fp8Rows`` from a quantizing norm or SiLU-and-mul),
+# where fp8 costs no quantizer launch. On the probes' numbers fp8 would win from one row there (gate_up: ~30 us
+# without the quantizer against the skinny weight-only kernel's 36.9 us), but that is an estimate across two
+# sessions' runs, so it stays at 2 until the engine has timed 1 side by side (bench_decode.py --fp8-min-rows-quantized).
+FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 2}
 
 
 @triton.jit
@@ -246,10 +251,12 @@ def reduce_split_k(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
         BLOCK=block, num_warps=4)
 
 
-def fast_mode_for(m: int, *, grouped: bool = False) -> str:
-    """Which fast-mode kernel this platform runs for an M-row input (``grouped``: the MoE GEMM's rows)."""
+def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = False) -> str:
+    """Which fast-mode kernel this platform runs for an M-row input (``grouped``: the MoE GEMM's rows;
+    ``quantized_input``: rows a quantizing norm or SiLU-and-mul would hand over as ``Fp8Rows``)."""
     platform = current_platform()
-    min_m = 1 if grouped else FP8_MIN_M.get(platform.arch, 1)
+    min_m = (FP8_MIN_M_QUANTIZED_INPUT if quantized_input else FP8_MIN_M).get(platform.arch, 1)
+    min_m = 1 if grouped else min_m
     if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= min_m:
         return "fp8"
     return "weight_only"
