@@ -188,7 +188,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     """Launch the Triton kernel(s): x fp16 [M, K], planes uint8 [N, K] (of ``w * 2^-weight_exp``) -> fp16 [M, N].
 
     ``x_scale`` (fp8 mode only): x is already ``quantize_per_token``'s fp8 rows and this their fp32 scales [M], as
-    the quantizing norms and SiLU-and-mul write them (``fp8_rows.py``); the GEMM then launches alone."""
+    the quantizing norms and SiLU-and-mul write them (``fp8_activations.py``); the GEMM then launches alone."""
     if x_scale is not None:
         if mode != "fp8":
             raise ConfigError(f"pre-quantized fp8 rows feed fp8 mode only, not {mode!r}")
@@ -255,8 +255,8 @@ def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = Fals
     """Which fast-mode kernel this platform runs for an M-row input (``grouped``: the MoE GEMM's rows;
     ``quantized_input``: rows a quantizing norm or SiLU-and-mul would hand over as ``Fp8Rows``)."""
     platform = current_platform()
-    min_m = (FP8_MIN_M_QUANTIZED_INPUT if quantized_input else FP8_MIN_M).get(platform.arch, 1)
-    min_m = 1 if grouped else min_m
+    table = FP8_MIN_M_QUANTIZED_INPUT if quantized_input else FP8_MIN_M
+    min_m = 1 if grouped else table.get(platform.arch, 1)
     if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= min_m:
         return "fp8"
     return "weight_only"

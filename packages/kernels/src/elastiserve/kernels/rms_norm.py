@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from elastiserve.kernels.fp8_activations import (
-    activation_fp8_dtype,
     empty_fp8_rows,
     fp8_constants,
     quantize_per_token_ref,
@@ -209,14 +208,9 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, fnuz: bool
     return rms_norm_quant_ref(x, weight, eps, fnuz)
 
 
-def _fake_fp8_rows(x: torch.Tensor, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = x.numel() // x.shape[-1]
-    return x.new_empty((rows, x.shape[-1]), dtype=activation_fp8_dtype(fnuz)), x.new_empty((rows,), dtype=torch.float32)
-
-
 @rms_norm_quant.register_fake
 def _(x, weight, eps, fnuz):
-    return _fake_fp8_rows(x, fnuz)
+    return empty_fp8_rows(x.numel() // x.shape[-1], x.shape[-1], fnuz, x.device)
 
 
 @torch.library.custom_op("elastiserve::fused_add_rms_norm_quant", mutates_args=())
@@ -234,7 +228,7 @@ def fused_add_rms_norm_quant(
 
 @fused_add_rms_norm_quant.register_fake
 def _(x, residual, weight, eps, fnuz):
-    return (*_fake_fp8_rows(x, fnuz), x.new_empty(x.shape))
+    return (*empty_fp8_rows(x.numel() // x.shape[-1], x.shape[-1], fnuz, x.device), x.new_empty(x.shape))
 
 
 # ------------------------------------------------------------------------------------ pure-torch references

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from elastiserve.kernels.fp8_activations import (
-    activation_fp8_dtype,
     empty_fp8_rows,
     fp8_constants,
     quantize_per_token,
@@ -36,6 +35,16 @@ BLOCK = 1024  # columns per program: a batch-1 decode row of Llama-8B (I = 14336
 
 
 @triton.jit
+def _silu_mul(row_ptr, inter, cols, mask):
+    """silu(gate) * up at ``cols`` of one gate_up row, in its dtype (masked lanes 0)."""
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0)
+    up = tl.load(row_ptr + inter + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded like F.silu's output
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)  # exact in fp32 for fp16/bf16: one rounding
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     out_ptr,  # [R, I] contiguous
     gate_up_ptr,  # [R, 2I], last dim contiguous
@@ -46,12 +55,8 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(gate_up_ptr + row * stride_row + cols, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_row + inter + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded like F.silu's output
-    out = silu.to(tl.float32) * up.to(tl.float32)  # exact in fp32 for fp16/bf16 inputs: one rounding below
-    tl.store(out_ptr + row * inter + cols, out.to(gate.dtype), mask=mask)
+    out = _silu_mul(gate_up_ptr + row * stride_row, inter, cols, mask)
+    tl.store(out_ptr + row * inter + cols, out, mask=mask)
 
 
 @triton.jit
@@ -60,11 +65,7 @@ def _silu_and_mul_quant_kernel(q_ptr, scale_ptr, gate_up_ptr, stride_row, inter,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)  # the whole row: the scale needs its maximum
     mask = cols < inter
-    gate = tl.load(gate_up_ptr + row * stride_row + cols, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_row + inter + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)  # the fp16 row silu_and_mul writes
+    out = _silu_mul(gate_up_ptr + row * stride_row, inter, cols, mask)  # the fp16 row silu_and_mul writes
     q, scale = quantize_row(out.to(tl.float32), FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)  # masked lanes are 0
     tl.store(scale_ptr + row, scale)
     tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -135,8 +136,7 @@ def silu_and_mul_quant(gate_up: torch.Tensor, fnuz: bool) -> tuple[torch.Tensor,
 def _(gate_up, fnuz):
     inter = gate_up.shape[-1] // 2
     rows = gate_up.numel() // gate_up.shape[-1]
-    return gate_up.new_empty((rows, inter), dtype=activation_fp8_dtype(fnuz)), gate_up.new_empty((rows,),
-                                                                                                 dtype=torch.float32)
+    return empty_fp8_rows(rows, inter, fnuz, gate_up.device)
 
 
 # ------------------------------------------------------------------------------------ pure-torch reference
