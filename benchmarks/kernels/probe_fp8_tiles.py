@@ -46,6 +46,13 @@ FULL_CANDIDATES = [  # block_m, block_n, block_k, warps, stages (swap-AB, PTX de
     (16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 32, 256, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4),
     (32, 64, 256, 4, 3), (64, 64, 256, 4, 3), (32, 128, 128, 8, 3), (64, 128, 128, 8, 3),
 ]
+# Tall token tiles on a 32-wide weight tile (session 18): a 32-row weight tile cannot feed wgmma (64 rows per
+# warpgroup), so these run mma.sync with the decoded tile as operand A in registers, and one token tile up to 256 rows
+# decodes each weight once (session 16's 32x32x256 decoded it twice at 64 rows: 32.8 against 20.9 us at 32 on qkv).
+FULL_TALL_CANDIDATES = [
+    (128, 32, 128, 4, 4), (128, 32, 256, 4, 3), (256, 32, 128, 4, 3), (128, 32, 128, 8, 4), (256, 32, 128, 8, 3),
+    (256, 32, 64, 8, 4), (128, 16, 256, 4, 4),
+]
 FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 
 
@@ -53,7 +60,8 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8") -> list[configs.Ge
     """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split."""
     out = []
     if mode == "full":
-        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True) for bm, bn, bk, w, s in FULL_CANDIDATES]
+        rows = FULL_CANDIDATES + (FULL_TALL_CANDIDATES if m > 32 else [])
+        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True) for bm, bn, bk, w, s in rows]
     else:
         rows = CANDIDATES + DECODE_CANDIDATES if m <= 16 else CANDIDATES
         tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, swap_ab=swap) for bm, bn, bk, w, s, swap in rows]
