@@ -263,9 +263,10 @@ class LLMEngine:
     def _postprocess(self, batch, tokens: list[int | None], logprobs: list | None = None) -> list[RequestOutput]:
         now = time.monotonic()
         fast = bool(self.runner.fast_layers)
+        max_model_len = self.max_model_len
         outputs = []
         for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
-            self.kv.record_exposure(seq, batch.seq_len_after(i))
+            self.kv.record_exposure(seq, seq.num_computed_tokens + n)
             seq.num_computed_tokens += n
             self.kv.register_pairs(seq)
             if seq.metrics.first_scheduled_time is None:
@@ -284,12 +285,13 @@ class LLMEngine:
             seq.metrics.fast_mode_tokens += fast
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            reason = self._finish_reason(seq)
+            num_output = len(seq.token_ids) - seq.num_prompt_tokens
+            reason = self._finish_reason(seq, num_output, max_model_len)
             if reason is not None:
                 self._finish(seq, reason, now)
             entry = logprobs[i] if logprobs is not None else None
-            first = seq.prompt_logprobs if seq.num_output_tokens == 1 else None
-            outputs.append(self._output(seq, [token], [entry] if entry is not None else None, first))
+            first = seq.prompt_logprobs if num_output == 1 else None
+            outputs.append(self._output(seq, [token], [entry] if entry is not None else None, first, num_output))
         return outputs
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
@@ -298,19 +300,20 @@ class LLMEngine:
         self._forget(seq)
 
     def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list | None = None,
-                prompt_logprobs: list | None = None) -> RequestOutput:
+                prompt_logprobs: list | None = None, num_output: int | None = None) -> RequestOutput:
         finished = seq.is_finished
         text = None
         if finished and self.tokenizer is not None:
             text = seq.output_text or self.tokenizer.decode(seq.output_token_ids)
         return RequestOutput(
             seq.request_id, new_tokens, finished, seq.finish_reason, seq.num_prompt_tokens,
-            seq.num_output_tokens, seq.metrics, text, logprobs, prompt_logprobs,
+            seq.num_output_tokens if num_output is None else num_output, seq.metrics, text, logprobs, prompt_logprobs,
         )  # fmt: skip
 
-    def _finish_reason(self, seq: Sequence) -> str | None:
+    def _finish_reason(self, seq: Sequence, num_output: int, max_model_len: int) -> str | None:
+        """``num_output``: the sequence's output tokens, the one just appended included."""
         params, token = seq.params, seq.token_ids[-1]
-        below_min = seq.num_output_tokens < params.min_tokens  # max_tokens >= min_tokens: no length stop either
+        below_min = num_output < params.min_tokens  # max_tokens >= min_tokens: no length stop either
         stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         if stop_token and not below_min:
             return "stop"
@@ -325,7 +328,7 @@ class LLMEngine:
             elif matcher.add(seq.output_token_ids):
                 seq.output_text = matcher.text
                 return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or len(seq.token_ids) >= max_model_len:
             return "length"
         return None
 

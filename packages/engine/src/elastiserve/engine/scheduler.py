@@ -42,9 +42,6 @@ class ScheduledBatch:
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
 
-    def seq_len_after(self, i: int) -> int:
-        return self.seqs[i].num_computed_tokens + self.num_new_tokens[i]
-
     def remove(self, seq: Sequence) -> int:
         i = self.seqs.index(seq)
         self.seqs.pop(i)
@@ -126,8 +123,9 @@ class Scheduler:
         return min(self.step_tokens, self.max_num_batched_tokens)
 
     def _running_order(self) -> list[Sequence]:
-        decodes = [s for s in self.running if not s.in_prefill]
-        prefills = [s for s in self.running if s.in_prefill]
+        decodes, prefills = [], []
+        for seq in self.running:
+            (prefills if seq.in_prefill else decodes).append(seq)
         return decodes + prefills
 
     def dry_run(self) -> StepDemand:
@@ -162,20 +160,26 @@ class Scheduler:
         batch = ScheduledBatch()
         limit = self.token_budget
         budget = limit
+        running = SequenceStatus.RUNNING
         for seq in self._running_order():
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            n = 1 if not seq.in_prefill else min(seq.num_uncomputed_tokens, budget)
+            uncomputed = seq.num_tokens - seq.num_computed_tokens
+            prefill = uncomputed > 1
+            n = min(uncomputed, budget) if prefill else 1
             if n <= 0:  # decodes take budget first and may use it all
                 continue
-            if seq.in_prefill:
+            if prefill:
                 n = max(1, self._tokens_that_fit(seq, n))  # shrink a chunk before preempting anyone
+            preempted = len(batch.preempted)
             if not self._allocate_or_preempt(seq, n, batch):
                 budget = limit - batch.num_tokens
                 continue
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            budget = limit - batch.num_tokens
+            # A preemption may have taken scheduled rows out of the batch: count again (summing every time made
+            # the loop quadratic in the batch).
+            budget = limit - batch.num_tokens if len(batch.preempted) != preempted else budget - n
         if not batch.preempted:
             self._admit_waiting(batch, budget)
         return batch

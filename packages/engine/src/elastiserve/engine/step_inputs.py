@@ -57,24 +57,30 @@ def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
     """Everything the device needs for one step, as plain lists (what tensor parallelism broadcasts)."""
     bs = kv.block_size
     inputs = StepInputs()
+    tokens, positions, slots = inputs.tokens, inputs.positions, inputs.slots
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start = seq.num_computed_tokens
-        if seq.prompt_logprobs is not None:  # rows p predict token p + 1; skip what an earlier pass scored
-            first, stop = max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)
-            if first < stop:
-                inputs.prompt_rows.append((i, len(inputs.tokens) + first - start, seq.token_ids[first + 1 : stop + 1],
-                                           seq.params.prompt_logprobs))
-        inputs.tokens.extend(seq.token_ids[start : start + n])
-        inputs.positions.extend(range(start, start + n))
-        inputs.slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+        if n == 1 and seq.prompt_logprobs is None:  # a decode row: no slices or generators (batch 256 on the CPU)
+            tokens.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(seq.block_table[start // bs] * bs + start % bs)
+        else:
+            if seq.prompt_logprobs is not None:  # rows p predict token p + 1; skip what an earlier pass scored
+                first, stop = max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)
+                if first < stop:
+                    inputs.prompt_rows.append((i, len(tokens) + first - start, seq.token_ids[first + 1 : stop + 1],
+                                               seq.params.prompt_logprobs))
+            tokens.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
         inputs.query_lens.append(n)
         inputs.seq_lens.append(start + n)
-        inputs.block_tables.append(list(seq.block_table))
+        inputs.block_tables.append(seq.block_table[:])
         bounds = kv.base_bounds(seq)
         inputs.base_bounds.append(bounds)
         if bounds is None:  # BASE pairs in several runs: the general path reads them pair by pair
             inputs.pair_modes[i] = kv.pair_modes(seq)
-        if batch.samples(i):
+        if start + n == seq.num_tokens:  # batch.samples(i): the chunk reaches the end of its tokens
             inputs.sample_indices.append(i)
             inputs.sample_params.append(seq.params)
             inputs.request_ids.append(seq.request_id)
