@@ -51,10 +51,12 @@ MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
 # from 2 rows; one row keeps the skinny weight-only kernel (1.58-1.84x fp16). The grouped MoE GEMM: fp8 from row 1.
 FP8_MIN_M = {"sm90": 2}
 # The same threshold for rows that arrive already quantized (``Fp8Rows`` from a quantizing norm or SiLU-and-mul),
-# where fp8 costs no quantizer launch. On the probes' numbers fp8 would win from one row there (gate_up: ~30 us
-# without the quantizer against the skinny weight-only kernel's 36.9 us), but that is an estimate across two
-# sessions' runs, so it stays at 2 until the engine has timed 1 side by side (bench_decode.py --fp8-min-rows-quantized).
-FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 2}
+# where fp8 costs no quantizer launch: one row on sm90. Session 18's GEMM table at one row, side by side on the H200
+# (benchmarks/kernels/results/h200-nested-gemm-s18.json): fp8 on quantized rows against the skinny weight-only kernel,
+# qkv 9.2 vs 10.4 us, gate_up 30.3 vs 35.8, down 18.4 vs 18.4; the engine's batch-1 fast step 3.235 -> 3.199 ms
+# (bench_decode.py --fp8-min-rows-quantized 1 vs 2, h200-llama8b-decode-run11-q{1,2}.json). o_proj, which quantizes
+# for itself, keeps FP8_MIN_M.
+FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
 
 
 @triton.jit
