@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastiserve.engine.block_table import BlockTable
 from elastiserve.engine.sampling import SamplingParams
 
 
@@ -44,7 +45,7 @@ class Sequence:
     metrics: SequenceMetrics
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    block_table: list[int] = field(default_factory=list)  # logical block -> physical block
+    block_table: BlockTable = field(default_factory=BlockTable)  # logical block -> physical block
     pair_states: list[PairState] = field(default_factory=list)  # one per pair of logical blocks (2p, 2p+1)
     finish_reason: str | None = None
     output_text: str = ""
@@ -57,6 +58,10 @@ class Sequence:
     # the tokens the sampler may not pick while fewer than params.min_tokens are generated (EOS and stop tokens)
     banned_before_min: tuple[int, ...] = ()
     guide: Any = None  # a guided.Guide when params.guide is set: its state follows the generated tokens
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_table, BlockTable):  # a plain list given: track it like the default
+            self.block_table = BlockTable(self.block_table)
 
     @property
     def num_tokens(self) -> int:
