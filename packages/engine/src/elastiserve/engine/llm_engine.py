@@ -31,7 +31,7 @@ from elastiserve.engine.runner import ModelRunner
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import Scheduler, StepDemand
 from elastiserve.engine.sequence import Sequence, SequenceMetrics
-from elastiserve.engine.tokenizer import StopStringMatcher
+from elastiserve.engine.stop_rules import StopRules, eos_ids_of
 from elastiserve.engine.transitions import Transitions, make_policy
 from elastiserve.engine.warmup import mode_sets
 from elastiserve.platforms import ConfigError
@@ -83,7 +83,6 @@ class LLMEngine:
 
             tp.shard_model(model.to(self.device), self.tp_group)
         self.model = model.to(self.device)
-        self.tokenizer = tokenizer
         self.runner = ModelRunner(config, self.model, self.device)
         if self.tp_group is not None:
             self.runner = tp.TPRunner(self.runner, self.tp_group)
@@ -105,7 +104,8 @@ class LLMEngine:
         self._count_admissions = getattr(control, "demand_counts_admissions", True)
         self.scheduler.admission = self.kv.admission_bound(control, self.max_model_len)
         self.events = EventLog()
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, hf_config))
+        eos = frozenset(eos_token_ids if eos_token_ids is not None else eos_ids_of(tokenizer, hf_config))
+        self.stop_rules = StopRules(eos, tokenizer, self.max_model_len)  # holds the tokenizer and EOS ids (below)
         self.step_count = 0
         self.last_step: dict[str, Any] = {"step_tokens": 0, "step_seqs": 0, "step_s": 0.0, "gc_s": 0.0}
         self.gc_watch = GcWatch()  # the collector's seconds since the last step go into its record (gc_s)
@@ -115,7 +115,6 @@ class LLMEngine:
         precision = getattr(control, "precision", None)  # None: scripted test policies run the stale layers
         self.transitions = Transitions(config, self.kv, self.scheduler, self.runner, self.events, self.policy,
                                        precision, self._seq_index, self.model.config.num_hidden_layers)
-        self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings
         self._mask_cache = None  # guided.MaskCache over this model's vocabulary, built by the first guided request
         self._closed = False
         self.runner.warm_up()
@@ -141,6 +140,22 @@ class LLMEngine:
             self.step_budget.prime(mode, steps)
             log.info("step budget: %d fast layers primed with %s -> %d tokens", mode,
                      ", ".join(f"{t} tokens {s * 1e3:.1f} ms" for t, s in steps), self.step_budget.tokens(mode))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.stop_rules.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self.stop_rules.tokenizer = tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.stop_rules.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.stop_rules.eos_token_ids = frozenset(ids)
 
     @property
     def max_model_len(self) -> int:
@@ -211,7 +226,7 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         self._seq_index.pop(seq.request_id, None)
-        self._stop_matchers.pop(seq.request_id, None)
+        self.stop_rules.forget(seq.request_id)
         self.runner.release_request(seq.request_id)
 
     # ---- the step --------------------------------------------------------------------------------------------
@@ -263,7 +278,6 @@ class LLMEngine:
     def _postprocess(self, batch, tokens: list[int | None], logprobs: list | None = None) -> list[RequestOutput]:
         now = time.monotonic()
         fast = bool(self.runner.fast_layers)
-        max_model_len = self.max_model_len
         outputs = []
         for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
             self.kv.record_exposure(seq, seq.num_computed_tokens + n)
@@ -286,7 +300,7 @@ class LLMEngine:
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             num_output = len(seq.token_ids) - seq.num_prompt_tokens
-            reason = self._finish_reason(seq, num_output, max_model_len)
+            reason = self.stop_rules.reason(seq, num_output)
             if reason is not None:
                 self._finish(seq, reason, now)
             entry = logprobs[i] if logprobs is not None else None
@@ -309,28 +323,6 @@ class LLMEngine:
             seq.request_id, new_tokens, finished, seq.finish_reason, seq.num_prompt_tokens,
             seq.num_output_tokens if num_output is None else num_output, seq.metrics, text, logprobs, prompt_logprobs,
         )  # fmt: skip
-
-    def _finish_reason(self, seq: Sequence, num_output: int, max_model_len: int) -> str | None:
-        """``num_output``: the sequence's output tokens, the one just appended included."""
-        params, token = seq.params, seq.token_ids[-1]
-        below_min = num_output < params.min_tokens  # max_tokens >= min_tokens: no length stop either
-        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        if stop_token and not below_min:
-            return "stop"
-        if seq.guide is not None and (seq.guide.done or seq.guide.dead):  # only EOS could follow: end here
-            return "stop"
-        if params.stop and self.tokenizer is not None:
-            matcher = self._stop_matchers.get(seq.request_id)
-            if matcher is None:
-                matcher = self._stop_matchers[seq.request_id] = StopStringMatcher(self.tokenizer, params.stop)
-            if below_min:
-                matcher.release(seq.output_token_ids)
-            elif matcher.add(seq.output_token_ids):
-                seq.output_text = matcher.text
-                return "stop"
-        if num_output >= params.max_tokens or len(seq.token_ids) >= max_model_len:
-            return "length"
-        return None
 
     # ---- control ---------------------------------------------------------------------------------------------
     def _observe(self, demand: StepDemand | None):
@@ -413,10 +405,3 @@ def _resolve_device(name: str) -> torch.device:
 
         return torch.device(current_platform().device_type)
     return torch.device(name)
-
-
-def _eos_ids(tokenizer: Any, hf_config: dict) -> set[int]:
-    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
-    eos = hf_config.get("eos_token_id")
-    ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return ids
