@@ -305,7 +305,7 @@ class LLMEngine:
                 self._finish(seq, reason, now)
             entry = logprobs[i] if logprobs is not None else None
             first = seq.prompt_logprobs if num_output == 1 else None
-            outputs.append(self._output(seq, [token], [entry] if entry is not None else None, first, num_output))
+            outputs.append(self._output(seq, [token], [entry] if entry is not None else None, first))
         return outputs
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
@@ -314,14 +314,14 @@ class LLMEngine:
         self._forget(seq)
 
     def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list | None = None,
-                prompt_logprobs: list | None = None, num_output: int | None = None) -> RequestOutput:
+                prompt_logprobs: list | None = None) -> RequestOutput:
         finished = seq.is_finished
         text = None
         if finished and self.tokenizer is not None:
             text = seq.output_text or self.tokenizer.decode(seq.output_token_ids)
         return RequestOutput(
             seq.request_id, new_tokens, finished, seq.finish_reason, seq.num_prompt_tokens,
-            seq.num_output_tokens if num_output is None else num_output, seq.metrics, text, logprobs, prompt_logprobs,
+            seq.num_output_tokens, seq.metrics, text, logprobs, prompt_logprobs,
         )  # fmt: skip
 
     # ---- control ---------------------------------------------------------------------------------------------

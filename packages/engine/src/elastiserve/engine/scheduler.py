@@ -160,11 +160,10 @@ class Scheduler:
         batch = ScheduledBatch()
         limit = self.token_budget
         budget = limit
-        running = SequenceStatus.RUNNING
         for seq in self._running_order():
-            if seq.status is not running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            uncomputed = seq.num_tokens - seq.num_computed_tokens
+            uncomputed = seq.num_uncomputed_tokens
             prefill = uncomputed > 1
             n = min(uncomputed, budget) if prefill else 1
             if n <= 0:  # decodes take budget first and may use it all

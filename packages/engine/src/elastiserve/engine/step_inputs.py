@@ -80,7 +80,7 @@ def gather_step_inputs(batch: ScheduledBatch, kv: KVManager) -> StepInputs:
         inputs.base_bounds.append(bounds)
         if bounds is None:  # BASE pairs in several runs: the general path reads them pair by pair
             inputs.pair_modes[i] = kv.pair_modes(seq)
-        if start + n == seq.num_tokens:  # batch.samples(i): the chunk reaches the end of its tokens
+        if batch.samples(i):
             inputs.sample_indices.append(i)
             inputs.sample_params.append(seq.params)
             inputs.request_ids.append(seq.request_id)
