@@ -28,9 +28,11 @@ from elastiserve.kernels import configs, formats
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import (
     check_fp8_rows,
+    fp8_constants,
     platform_fnuz,
     quantize_per_token,
     quantize_per_token_ref,
+    to_fp8_range,
 )
 from elastiserve.kernels.merge_planes import merge_planes
 from elastiserve.kernels.weight_decode import load_weight_tile
@@ -57,6 +59,10 @@ FP8_MIN_M = {"sm90": 2}
 # (bench_decode.py --fp8-min-rows-quantized 1 vs 2, h200-llama8b-decode-run11-q{1,2}.json). o_proj, which quantizes
 # for itself, keeps FP8_MIN_M.
 FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
+# Up to how many rows fast mode's fp8 GEMM on fp16 rows (o_proj's input, any caller's plain tensor) quantizes them
+# itself, each program taking its rows' scales from a first pass over K, instead of a quantizer launch before it
+# (2.2 us at K = 4096 on the H200, ~2 us a layer at decode sizes). Unset: not yet timed on that arch.
+QUANTIZE_IN_GEMM_MAX_M: dict[str, int] = {}
 
 
 @triton.jit
@@ -68,6 +74,8 @@ def _nested_gemm_kernel(
     MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    QUANTIZE_X: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, MIN_NORMAL: tl.constexpr = 0.015625,
+    ROUND_IN_SOFTWARE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -86,6 +94,8 @@ def _nested_gemm_kernel(
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
 
+    if QUANTIZE_X:  # fp8 mode on fp16 rows: this program's rows' scales from a first pass over all of K
+        row_scale = _row_scales(x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, FP8_MAX, BLOCK_M, BLOCK_K)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -105,6 +115,8 @@ def _nested_gemm_kernel(
             else:
                 x_mask = mask_m[None, :] & mask_k[:, None]
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_mask, other=0.0)
+            if QUANTIZE_X:
+                xt = _fp8_activation(xt, row_scale[None, :], FNUZ, FP8_MAX, MIN_NORMAL, ROUND_IN_SOFTWARE)
             acc = tl.dot(w, xt, acc)
         else:
             if EVEN_K:
@@ -112,12 +124,17 @@ def _nested_gemm_kernel(
             else:
                 x_mask = mask_m[:, None] & mask_k[None, :]
             xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_mask, other=0.0)
+            if QUANTIZE_X:
+                xa = _fp8_activation(xa, row_scale[:, None], FNUZ, FP8_MAX, MIN_NORMAL, ROUND_IN_SOFTWARE)
             acc = tl.dot(xa, tl.trans(w), acc)
 
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if MODE == 2:
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+        if QUANTIZE_X:
+            x_scale = row_scale
+        else:
+            x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
         acc = acc * (x_scale[:, None] * w_scale)
     else:
         acc = acc * w_scale  # 2^weight_exp: exact, and 1.0 for an unscaled layer
@@ -129,6 +146,31 @@ def _nested_gemm_kernel(
         tl.store(out_ptr + out_off, acc.to(tl.float16), mask=out_mask)
     else:
         tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+
+
+@triton.jit
+def _row_scales(x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """``quantize_per_token``'s scales of rows ``offs_m`` (fp32 [BLOCK_M]): max |x| over the whole row, floored,
+    divided by FP8_MAX (IEEE division). Every program re-reads its rows (from L2 after the first), which is why
+    ``QUANTIZE_IN_GEMM_MAX_M`` keeps this to few rows."""
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs = k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :] * stride_xk,
+                    mask=mask_m[:, None] & (offs[None, :] < K), other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    return tl.div_rn(tl.maximum(amax, 1e-8), FP8_MAX)
+
+
+@triton.jit
+def _fp8_activation(x, scale, FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                    ROUND_IN_SOFTWARE: tl.constexpr):
+    """fp16 activations -> the e4m3 bytes ``quantize_per_token`` writes for them (``scale`` broadcasts)."""
+    q = to_fp8_range(x.to(tl.float32), scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
+    if FNUZ:
+        return q.to(tl.float8e4b8)
+    return q.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -186,11 +228,14 @@ def register_cap(config: configs.GemmConfig) -> dict:
 
 def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                 nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
-                config: configs.GemmConfig | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+                config: configs.GemmConfig | None = None, x_scale: torch.Tensor | None = None,
+                quantize_in_gemm: bool | None = None) -> torch.Tensor:
     """Launch the Triton kernel(s): x fp16 [M, K], planes uint8 [N, K] (of ``w * 2^-weight_exp``) -> fp16 [M, N].
 
     ``x_scale`` (fp8 mode only): x is already ``quantize_per_token``'s fp8 rows and this their fp32 scales [M], as
-    the quantizing norms and SiLU-and-mul write them (``fp8_activations.py``); the GEMM then launches alone."""
+    the quantizing norms and SiLU-and-mul write them (``fp8_activations.py``); the GEMM then launches alone.
+    ``quantize_in_gemm`` (fp8 mode on fp16 rows): the GEMM quantizes x itself, bytes equal to the quantizer's,
+    rather than after a quantizer launch; None: ``QUANTIZE_IN_GEMM_MAX_M`` decides."""
     if x_scale is not None:
         if mode != "fp8":
             raise ConfigError(f"pre-quantized fp8 rows feed fp8 mode only, not {mode!r}")
@@ -219,14 +264,16 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     if mode == "fp8" and config.block_k < 32:
         raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
     check_ptx_decode(config, platform)
-    if mode == "fp8" and x_scale is None:
+    quantize_x = mode == "fp8" and x_scale is None and (
+        quantize_in_gemm if quantize_in_gemm is not None else m <= QUANTIZE_IN_GEMM_MAX_M.get(platform.arch, 0))
+    if mode == "fp8" and x_scale is None and not quantize_x:
         x, x_scale = quantize_per_token(x, fnuz)
     out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
     _nested_gemm_kernel[grid](
-        x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only
+        x, x if x_scale is None else x_scale,  # the scale pointer is read for quantized rows only
         upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
         bias if bias is not None else x, target,
         m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
@@ -237,6 +284,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
         PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        QUANTIZE_X=quantize_x, **fp8_constants(fnuz),
         num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config),
     )
     if split > 1:
