@@ -401,6 +401,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fp8-min-rows-quantized", type=int, default=None,
                    help="fast mode's fp8 threshold for rows quantized by a norm or SiLU-and-mul on this GPU "
                         "(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT); default: the table's")
+    p.add_argument("--fp8-min-rows", type=int, default=None,
+                   help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
+    p.add_argument("--quantize-in-gemm-max-rows", type=int, default=None,
+                   help="up to how many fp16 rows the fp8 GEMM quantizes them itself (nested_gemm."
+                        "QUANTIZE_IN_GEMM_MAX_M); default: the table's")
     args = p.parse_args(argv)
     args.batches = sorted(set(args.batches))
     if args.switch_steps < 4:
@@ -418,17 +423,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv)
     threads = torch.get_num_threads()
-    thresholds = dict(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT)
     if args.device == "cpu":
         torch.set_num_threads(1)  # tiny CPU smoke runs: intra-op threads only add spin-wait on a shared machine
-    if args.fp8_min_rows_quantized is not None:  # before any graph is captured: the routing is baked into them
-        nested_gemm.FP8_MIN_M_QUANTIZED_INPUT[current_platform().arch] = args.fp8_min_rows_quantized
+    overrides = [(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, args.fp8_min_rows_quantized),
+                 (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
+                 (nested_gemm.QUANTIZE_IN_GEMM_MAX_M, args.quantize_in_gemm_max_rows)]
+    saved = [dict(table) for table, _ in overrides]
+    for table, value in overrides:  # before any graph is captured: the routing is baked into them
+        if value is not None:
+            table[current_platform().arch] = value
     try:
         return _run(args)
     finally:
         torch.set_num_threads(threads)
-        nested_gemm.FP8_MIN_M_QUANTIZED_INPUT.clear()
-        nested_gemm.FP8_MIN_M_QUANTIZED_INPUT.update(thresholds)
+        for (table, _), before in zip(overrides, saved):
+            table.clear()
+            table.update(before)
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
