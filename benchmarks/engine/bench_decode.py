@@ -83,7 +83,10 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
 
     commit = git_commit(Path(__file__).resolve().parent)
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    from elastiserve.platforms import current_platform
+
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")}
+    settings["programmatic_launch"] = current_platform().programmatic_launch  # ELASTISERVE_PDL
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "python":
             platform.python_version(), "commit": commit, "host": platform.node(), "settings": settings}
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from elastiserve.platforms import ARCHS, BackendUnavailable, ConfigError, EnvSettings, FastGemm, resolve
-from elastiserve.platforms.capability import _arch_of_amd, _arch_of_nvidia
+from elastiserve.platforms.capability import PDL_ARCHS, PDL_BY_DEFAULT, _arch_of_amd, _arch_of_nvidia
 from elastiserve.platforms.env import parse
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
@@ -59,6 +59,26 @@ def test_unmet_explicit_request_raises(device, request_):
     else:
         with pytest.raises(BackendUnavailable):
             resolve(EnvSettings(platform=request_))
+
+
+def test_programmatic_launch_only_where_the_gpu_can(device):
+    """ELASTISERVE_PDL: "off" always resolves, "on" raises unless the platform is an sm90 GPU running compiled Triton
+    kernels, "auto" follows PDL_BY_DEFAULT; the interpreter and the reference kernels never launch that way."""
+    with pytest.raises(ConfigError, match="ELASTISERVE_PDL"):
+        parse({"ELASTISERVE_PDL": "maybe"})
+    assert parse({"ELASTISERVE_PDL": "On"}).pdl == "on"
+    assert not resolve(EnvSettings(pdl="off")).programmatic_launch
+    with pytest.raises(BackendUnavailable, match="ELASTISERVE_PDL=on"):
+        resolve(EnvSettings(pdl="on", kernels="reference"))
+    platform = resolve(EnvSettings())
+    able = platform.arch in PDL_ARCHS and platform.kernel_backend == "triton" and device.type == "cuda"
+    if able:
+        assert resolve(EnvSettings(pdl="on")).programmatic_launch
+        assert platform.programmatic_launch == PDL_BY_DEFAULT.get(platform.arch, False)
+    else:
+        assert not platform.programmatic_launch
+        with pytest.raises(BackendUnavailable, match="ELASTISERVE_PDL=on"):
+            resolve(EnvSettings(pdl="on"))
 
 
 def test_import_does_not_import_torch():

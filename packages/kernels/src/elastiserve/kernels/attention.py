@@ -17,6 +17,7 @@ import triton
 from elastiserve.kernels.attention_kernels import paged_attention_kernel, reduce_splits_kernel
 from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, STRUCTURED_SPLIT
 from elastiserve.kernels.kv_ops import KVLayoutError, base_halves, check_kv_cache
+from elastiserve.kernels.launch import pdl_options
 from elastiserve.platforms import current_platform
 from elastiserve.platforms.env import triton_interpret
 
@@ -115,12 +116,12 @@ def _paged_attention_triton(
             BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d,
             PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=base_pairs, PATH=kernel_path, NUM_SPLITS=num_splits,
             INTERPRETED=triton_interpret(), PARTIALS=partials, TOTAL_SPLITS=total_splits, SPLIT_BASE=split_base,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options()
         )  # fmt: skip
     if partials:
         reduce_splits_kernel[(batch, num_kv_heads)](
             out, query_start_loc, part_acc, part_ml, out.stride(0), out.stride(1), group_size, head_dim,
-            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, NUM_SPLITS=total_splits, num_warps=4,
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, NUM_SPLITS=total_splits, num_warps=4, **pdl_options()
         )  # fmt: skip
     return out
 

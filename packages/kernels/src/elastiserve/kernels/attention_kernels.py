@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from elastiserve.kernels.launch import wait_for_prior_grid
+
 NEG_BIG = tl.constexpr(-1.0e30)
 
 
@@ -175,7 +177,9 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     PAIRS: tl.constexpr, BASE_PAIRS: tl.constexpr, PATH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr, PARTIALS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, SPLIT_BASE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_prior_grid(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PARTIALS:
@@ -276,8 +280,10 @@ def reduce_splits_kernel(
     out_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
     stride_ot, stride_oh, group_size, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Merge the NUM_SPLITS partial (acc, max, sum) of one (sequence, kv head) into the output."""
+    wait_for_prior_grid(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.platforms import FastGemm, current_platform
 from elastiserve.platforms.env import triton_interpret
 
@@ -59,7 +60,8 @@ def quantize_row(x, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_
 @triton.jit
 def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
                                MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, ONE_PASS: tl.constexpr,
-                               BLOCK_K: tl.constexpr):
+                               BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
     if ONE_PASS:  # the whole row in registers: one read of x
@@ -130,7 +132,7 @@ def quantize_per_token(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tenso
         block_k = triton.next_power_of_2(max(k, 16)) if one_pass else 1024
         _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), **fp8_constants(fnuz),
                                          ONE_PASS=one_pass, BLOCK_K=block_k,
-                                         num_warps=row_warps(block_k) if one_pass else 4)
+                                         num_warps=row_warps(block_k) if one_pass else 4, **pdl_options())
     return q, scale
 
 

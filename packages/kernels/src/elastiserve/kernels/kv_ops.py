@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.platforms import current_platform
 from elastiserve.platforms.errors import ElastiserveError
 
@@ -64,8 +65,9 @@ def _kv_write_kernel(
     head_dim,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
@@ -95,7 +97,7 @@ def _kv_write_triton(kv_cache, layer, key, value, slot_mapping) -> None:
         num_heads, head_dim,
         BLOCK_SIZE=kv_cache.shape[4],
         BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=triton.next_power_of_2(head_dim), **pdl_options()
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.rms_norm import ElementwiseShapeError
 from elastiserve.platforms import current_platform
 
@@ -36,8 +37,9 @@ def _moe_combine_kernel(
     hidden,
     TOP_K: tl.constexpr,
     HAS_PADDING: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -82,7 +84,7 @@ def _moe_combine_triton(expert_out, row_of, weights, padding_rows):
     grid = (tokens, triton.cdiv(hidden, BLOCK))
     _moe_combine_kernel[grid](
         out, expert_out, row_of, weights, padding_rows.view(torch.uint8) if has_padding else row_of,
-        expert_out.stride(0), hidden, TOP_K=top_k, HAS_PADDING=has_padding, BLOCK=BLOCK,
+        expert_out.stride(0), hidden, TOP_K=top_k, HAS_PADDING=has_padding, BLOCK=BLOCK, **pdl_options()
     )  # fmt: skip
     return out
 

@@ -34,6 +34,7 @@ from elastiserve.kernels.fp8_activations import (
     quantize_per_token_ref,
     to_fp8_range,
 )
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import merge_planes
 from elastiserve.kernels.weight_decode import load_weight_tile
 from elastiserve.platforms import ConfigError, FastGemm, Vendor, current_platform
@@ -75,8 +76,9 @@ def _nested_gemm_kernel(
     SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUANTIZE_X: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, MIN_NORMAL: tl.constexpr = 0.015625,
-    ROUND_IN_SOFTWARE: tl.constexpr = False,
+    ROUND_IN_SOFTWARE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -175,7 +177,8 @@ def _fp8_activation(x, scale, FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NOR
 
 @triton.jit
 def _split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_prior_grid(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
@@ -285,7 +288,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         QUANTIZE_X=quantize_x, **fp8_constants(fnuz),
-        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config),
+        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl_options()
     )
     if split > 1:
         reduce_split_k(target, bias, out)
@@ -298,7 +301,7 @@ def reduce_split_k(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
     block = 1024
     _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
         partials, bias if bias is not None else out, out, m, n, SPLIT_K=split, HAS_BIAS=bias is not None,
-        BLOCK=block, num_warps=4)
+        BLOCK=block, num_warps=4, **pdl_options())
 
 
 def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = False) -> str:

@@ -30,6 +30,7 @@ import triton.language as tl
 from elastiserve.kernels import configs
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import platform_fnuz, quantize_per_token, quantize_per_token_ref
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.nested_gemm import (
     MODE_IDS,
     check_ptx_decode,
@@ -52,7 +53,9 @@ def _nested_moe_kernel(
     w_scale,
     MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr,
     GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile)  # MODE PLAIN: upper_ptr is the fp16 [E, N, K] weight
@@ -105,9 +108,10 @@ def _nested_moe_kernel(
 @triton.jit(do_not_specialize=["max_tiles"])
 def _tile_map_kernel(offsets_ptr, tile_expert_ptr, tile_row_ptr, max_tiles,
                      NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
+                     BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
     # Each program maps BLOCK_T tile indices; every program recomputes the E-long tile prefix sum (E <= a few
     # hundred), which is cheaper than a second launch.
+    wait_for_prior_grid(PDL)
     experts = tl.arange(0, EXPERTS_POW2)
     in_range = experts < NUM_EXPERTS
     start = tl.load(offsets_ptr + experts, mask=in_range, other=0).to(tl.int32)
@@ -137,7 +141,7 @@ def build_tile_map(expert_offsets: torch.Tensor, num_tokens: int, block_m: int) 
     _tile_map_kernel[(triton.cdiv(max_tiles, TILE_MAP_BLOCK),)](
         expert_offsets, tile_expert, tile_row, max_tiles,
         NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-        BLOCK_T=TILE_MAP_BLOCK,
+        BLOCK_T=TILE_MAP_BLOCK, **pdl_options()
     )
     return tile_expert, tile_row
 
@@ -179,7 +183,7 @@ def _launch_grouped(x: torch.Tensor, x_scale: torch.Tensor, upper: torch.Tensor,
         w_scale,
         MODE=mode_id, NESTING=nesting, FNUZ=fnuz, EVEN_K=k % config.block_k == 0, PTX_DECODE=config.ptx_decode,
         GATHER=source_rows is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config),
+        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl_options()
     )
     return out
 

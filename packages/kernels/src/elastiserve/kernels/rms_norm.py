@@ -25,6 +25,7 @@ from elastiserve.kernels.fp8_activations import (
     quantize_per_token_ref,
     quantize_row,
 )
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.platforms import current_platform
 from elastiserve.platforms.errors import ElastiserveError
 
@@ -61,8 +62,9 @@ def _rms_norm_kernel(
     FP8_MAX: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
     ROUND_IN_SOFTWARE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // rows_inner, row % rows_inner
     cols = tl.arange(0, BLOCK)
@@ -134,6 +136,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         out, q, scale, residual_out, x, residual if has_residual else x, weight.contiguous(),
         sxo, sxi, sro, sri, rows_inner, n_cols, eps,
         HAS_RESIDUAL=has_residual, QUANT=quant, **fp8_constants(fnuz), BLOCK=block, num_warps=_num_warps(block),
+        **pdl_options(),
     )  # fmt: skip
     return out, residual_out
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.rms_norm import ElementwiseShapeError
 from elastiserve.platforms import current_platform
 
@@ -65,9 +66,10 @@ def _rotary_kernel(
     num_k_heads,
     half_dim,
     BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Grid (T, q head blocks + k head blocks): one launch serves both, and a batch-1 decode still spreads over SMs.
+    wait_for_prior_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
@@ -100,7 +102,7 @@ def _rotary_triton(positions, q, k, cos_table, sin_table) -> tuple[torch.Tensor,
         q_out, k_out, q, k, positions, cos_table, sin_table,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_table.stride(0),
         num_q_heads, num_k_heads, head_dim // 2,
-        BLOCK_H=block_h, BLOCK_HALF=block_half,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, **pdl_options()
     )  # fmt: skip
     return q_out, k_out
 

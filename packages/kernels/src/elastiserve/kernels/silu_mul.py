@@ -28,6 +28,7 @@ from elastiserve.kernels.fp8_activations import (
     quantizes_in_one_pass,
     row_warps,
 )
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.rms_norm import ElementwiseShapeError
 from elastiserve.platforms import current_platform
 
@@ -50,8 +51,9 @@ def _silu_and_mul_kernel(
     gate_up_ptr,  # [R, 2I], last dim contiguous
     stride_row,
     inter,  # I
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -61,7 +63,9 @@ def _silu_and_mul_kernel(
 
 @triton.jit
 def _silu_and_mul_quant_kernel(q_ptr, scale_ptr, gate_up_ptr, stride_row, inter, FP8_MAX: tl.constexpr,
-                               MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, BLOCK: tl.constexpr):
+                               MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)  # the whole row: the scale needs its maximum
     mask = cols < inter
@@ -88,7 +92,7 @@ def _silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     rows = _rows_of(gate_up)
     grid = (rows.shape[0], triton.cdiv(inter, BLOCK))
-    _silu_and_mul_kernel[grid](out, rows, rows.stride(0), inter, BLOCK=BLOCK)
+    _silu_and_mul_kernel[grid](out, rows, rows.stride(0), inter, BLOCK=BLOCK, **pdl_options())
     return out
 
 
@@ -116,7 +120,7 @@ def _silu_and_mul_quant_triton(gate_up: torch.Tensor, fnuz: bool) -> tuple[torch
     if num_rows:
         block = triton.next_power_of_2(max(inter, 16))
         _silu_and_mul_quant_kernel[(num_rows,)](q, scale, rows, rows.stride(0), inter, **fp8_constants(fnuz),
-                                                BLOCK=block, num_warps=row_warps(block))
+                                                BLOCK=block, num_warps=row_warps(block), **pdl_options())
     return q, scale
 
 

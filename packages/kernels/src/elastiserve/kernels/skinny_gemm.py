@@ -38,6 +38,7 @@ import triton.language as tl
 from elastiserve.kernels import configs, nested_gemm
 from elastiserve.kernels.configs import SKINNY_MAX_ROWS, SkinnyConfig
 from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
 from elastiserve.platforms import ConfigError, current_platform
 
@@ -97,8 +98,9 @@ def _skinny_gemm_kernel(
     MODE: tl.constexpr, NESTING: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,  # SPLIT_K > 1; a bool rather than the split count, so every split shares one compile
     EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr, DEFER: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -194,7 +196,7 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
         MODE=MODE_IDS[mode], NESTING=nesting, HAS_BIAS=bias is not None, PARTIAL=split > 1,
         EVEN_K=k % (config.block_k * split) == 0, PTX_DECODE=config.ptx_decode, DEFER=defers_reduction(config, m_pad),
         M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options()
     )
     if split > 1:
         nested_gemm.reduce_split_k(target, bias, out)

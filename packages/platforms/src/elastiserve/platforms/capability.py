@@ -69,6 +69,9 @@ class Platform:
     kernel_backend: str  # "triton" or "reference"
     num_sms: int
     l2_bytes: int
+    # Triton kernels launched with programmatic dependent launch (``kernels/launch.py``): sm90+ only, and only
+    # where ELASTISERVE_PDL asks or PDL_BY_DEFAULT says so.
+    programmatic_launch: bool = False
 
     @property
     def is_gpu(self) -> bool:
@@ -81,6 +84,12 @@ class Platform:
     @property
     def max_num_warps(self) -> int:
         return self.facts.max_num_warps
+
+
+# Archs whose GPUs launch a kernel while the one before it drains (griddepcontrol, PTX ISA 7.8, sm90+).
+PDL_ARCHS = ("sm90",)
+# Whether ELASTISERVE_PDL=auto turns it on, per arch: off until a decode step has been timed both ways.
+PDL_BY_DEFAULT: dict[str, bool] = {}
 
 
 def _arch_of_nvidia(major: int, minor: int) -> str:
@@ -143,9 +152,21 @@ def resolve(env: EnvSettings) -> Platform:
         if env.vmm != "host":
             raise BackendUnavailable(f"ELASTISERVE_VMM={env.vmm} requested on a {platform.vendor.value} platform")
         platform = _replace(platform, vmm_backend="host")
+    platform = _replace(platform, programmatic_launch=_programmatic_launch(env, platform))
     if env.platform == "auto" and not platform.is_gpu:
         log.info("no GPU found: running on the CPU with the host VMM back-end and %s kernels", platform.kernel_backend)
     return platform
+
+
+def _programmatic_launch(env: EnvSettings, platform: Platform) -> bool:
+    able = platform.vendor is Vendor.NVIDIA and platform.arch in PDL_ARCHS and platform.kernel_backend == "triton" \
+        and not triton_interpret()
+    if env.pdl == "on" and not able:
+        raise BackendUnavailable(f"ELASTISERVE_PDL=on requested, but {platform.device_name} ({platform.arch}, "
+                                 f"{platform.kernel_backend} kernels) cannot launch programmatically dependent grids")
+    if env.pdl == "auto":
+        return able and PDL_BY_DEFAULT.get(platform.arch, False)
+    return able and env.pdl == "on"
 
 
 def _replace(platform: Platform, **changes: object) -> Platform:

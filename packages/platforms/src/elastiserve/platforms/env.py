@@ -16,6 +16,7 @@ _CHOICES = {
     "VMM": ("auto", "cuda", "hip", "host"),
     "KERNELS": ("auto", "triton", "reference"),
     "LOG_LEVEL": ("debug", "info", "warning", "error"),
+    "PDL": ("auto", "on", "off"),
 }
 
 
@@ -26,6 +27,9 @@ class EnvSettings:
     kernels: str = "auto"  # triton (interpreted on CPU when TRITON_INTERPRET=1) or reference
     cache_dir: Path = Path.home() / ".cache" / "elastiserve"
     log_level: str = "info"
+    # Programmatic dependent launch of the Triton kernels (sm90+): "on" where the GPU cannot raises; "auto" takes
+    # the platform's measured default (capability.PDL_BY_DEFAULT).
+    pdl: str = "auto"
     trace_dir: Path | None = None  # searched for request traces before ../shared/traces (GPU runs carry a copy)
     # The commit benchmark results record. GPU copies of the tree can carry stale git metadata (two H200 runs
     # recorded an older HEAD than the tree they ran), so ci/gpu/bootstrap.sh passes the one written before the call.
@@ -64,7 +68,8 @@ def parse(environ: dict[str, str] | os._Environ) -> EnvSettings:
     return EnvSettings(**kwargs)
 
 
-_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL", "TRACE_DIR", "SOURCE_COMMIT", "DEBUG_STACKS_S")
+_KNOWN = ("PLATFORM", "VMM", "KERNELS", "CACHE_DIR", "LOG_LEVEL", "TRACE_DIR", "SOURCE_COMMIT", "DEBUG_STACKS_S",
+          "PDL")
 
 
 @functools.cache
