@@ -28,13 +28,14 @@ from elastiserve.kernels import configs, formats
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import (
     check_fp8_rows,
+    fp8_activation,
     fp8_constants,
     platform_fnuz,
     quantize_per_token,
     quantize_per_token_ref,
-    to_fp8_range,
+    row_scales,
 )
-from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
+from elastiserve.kernels.launch import pdl_options, prefetch_cols, prefetch_rows_l2, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import merge_planes
 from elastiserve.kernels.weight_decode import load_weight_tile
 from elastiserve.platforms import ConfigError, FastGemm, Vendor, current_platform
@@ -77,8 +78,8 @@ def _nested_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUANTIZE_X: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, MIN_NORMAL: tl.constexpr = 0.015625,
     ROUND_IN_SOFTWARE: tl.constexpr = False, PDL: tl.constexpr = False,
+    prefetch_k=0,  # launched early (PDL): columns of each weight row to ask the L2 for before waiting
 ):
-    wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -95,9 +96,15 @@ def _nested_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
+    if PDL:  # noqa: SIM102  (PDL is a constexpr: the branch is compiled out without it)
+        if prefetch_k > 0:
+            prefetch_rows_l2(upper_ptr, offs_n, mask_n, stride_wn, k_start, prefetch_k)
+            if MODE == 0:  # full mode reads the lower plane too
+                prefetch_rows_l2(lower_ptr, offs_n, mask_n, stride_ln, k_start, prefetch_k)
+    wait_for_prior_grid(PDL)
 
     if QUANTIZE_X:  # fp8 mode on fp16 rows: this program's rows' scales from a first pass over all of K
-        row_scale = _row_scales(x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, FP8_MAX, BLOCK_M, BLOCK_K)
+        row_scale = row_scales(x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, FP8_MAX, BLOCK_M, BLOCK_K)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -118,7 +125,7 @@ def _nested_gemm_kernel(
                 x_mask = mask_m[None, :] & mask_k[:, None]
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_mask, other=0.0)
             if QUANTIZE_X:
-                xt = _fp8_activation(xt, row_scale[None, :], FNUZ, FP8_MAX, MIN_NORMAL, ROUND_IN_SOFTWARE)
+                xt = fp8_activation(xt, row_scale[None, :], FNUZ, FP8_MAX, MIN_NORMAL, ROUND_IN_SOFTWARE)
             acc = tl.dot(w, xt, acc)
         else:
             if EVEN_K:
@@ -127,7 +134,7 @@ def _nested_gemm_kernel(
                 x_mask = mask_m[:, None] & mask_k[None, :]
             xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_mask, other=0.0)
             if QUANTIZE_X:
-                xa = _fp8_activation(xa, row_scale[:, None], FNUZ, FP8_MAX, MIN_NORMAL, ROUND_IN_SOFTWARE)
+                xa = fp8_activation(xa, row_scale[:, None], FNUZ, FP8_MAX, MIN_NORMAL, ROUND_IN_SOFTWARE)
             acc = tl.dot(xa, tl.trans(w), acc)
 
     if SWAP_AB:
@@ -148,31 +155,6 @@ def _nested_gemm_kernel(
         tl.store(out_ptr + out_off, acc.to(tl.float16), mask=out_mask)
     else:
         tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
-
-
-@triton.jit
-def _row_scales(x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """``quantize_per_token``'s scales of rows ``offs_m`` (fp32 [BLOCK_M]): max |x| over the whole row, floored,
-    divided by FP8_MAX (IEEE division). Every program re-reads its rows (from L2 after the first), which is why
-    ``QUANTIZE_IN_GEMM_MAX_M`` keeps this to few rows."""
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        offs = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :] * stride_xk,
-                    mask=mask_m[:, None] & (offs[None, :] < K), other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    return tl.div_rn(tl.maximum(amax, 1e-8), FP8_MAX)
-
-
-@triton.jit
-def _fp8_activation(x, scale, FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                    ROUND_IN_SOFTWARE: tl.constexpr):
-    """fp16 activations -> the e4m3 bytes ``quantize_per_token`` writes for them (``scale`` broadcasts)."""
-    q = to_fp8_range(x.to(tl.float32), scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
-    if FNUZ:
-        return q.to(tl.float8e4b8)
-    return q.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -275,11 +257,15 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
+    pdl = pdl_options()
+    if pdl and triton.cdiv(m, config.block_m) == 1:  # one token tile: each weight row is read by one program
+        pdl["prefetch_k"] = prefetch_cols(upper, k_per_split, split)
     _nested_gemm_kernel[grid](
         x, x if x_scale is None else x_scale,  # the scale pointer is read for quantized rows only
         upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
         bias if bias is not None else x, target,
-        m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
+        m, n, k, k_per_split,
         x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
         weight_scale(nesting, mode, fnuz, weight_exp),
@@ -288,7 +274,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         QUANTIZE_X=quantize_x, **fp8_constants(fnuz),
-        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl_options()
+        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl,
     )
     if split > 1:
         reduce_split_k(target, bias, out)
