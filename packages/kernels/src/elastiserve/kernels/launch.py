@@ -44,6 +44,18 @@ def prefetch_rows_l2(base_ptr, rows, mask_rows, stride_row, first_col, num_cols)
                               [row_ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def prefetch_weight_rows(w_ptr, lower_ptr, rows, mask_rows, stride_w, stride_lower, first_col, num_cols,
+                         BOTH_PLANES: tl.constexpr, PDL: tl.constexpr):
+    """A GEMM program's prefetch before it waits: ``num_cols`` of each of its weight rows (and of the lower plane's,
+    in full mode); nothing without PDL or for ``num_cols`` 0."""
+    if PDL:  # noqa: SIM102  (PDL is a constexpr: the branch is compiled out without it)
+        if num_cols > 0:
+            prefetch_rows_l2(w_ptr, rows, mask_rows, stride_w, first_col, num_cols)
+            if BOTH_PLANES:
+                prefetch_rows_l2(lower_ptr, rows, mask_rows, stride_lower, first_col, num_cols)
+
+
 def pdl_options() -> dict:
     """Launch keywords of a kernel that takes ``PDL: tl.constexpr`` and calls ``wait_for_prior_grid(PDL)`` first:
     empty (an ordinary launch) unless the platform launches programmatically."""

@@ -35,7 +35,7 @@ from elastiserve.kernels.fp8_activations import (
     quantize_per_token_ref,
     row_scales,
 )
-from elastiserve.kernels.launch import pdl_options, prefetch_cols, prefetch_rows_l2, wait_for_prior_grid
+from elastiserve.kernels.launch import pdl_options, prefetch_cols, prefetch_weight_rows, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import merge_planes
 from elastiserve.kernels.weight_decode import load_weight_tile
 from elastiserve.platforms import ConfigError, FastGemm, Vendor, current_platform
@@ -96,11 +96,8 @@ def _nested_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
-    if PDL:  # noqa: SIM102  (PDL is a constexpr: the branch is compiled out without it)
-        if prefetch_k > 0:
-            prefetch_rows_l2(upper_ptr, offs_n, mask_n, stride_wn, k_start, prefetch_k)
-            if MODE == 0:  # full mode reads the lower plane too
-                prefetch_rows_l2(lower_ptr, offs_n, mask_n, stride_ln, k_start, prefetch_k)
+    prefetch_weight_rows(upper_ptr, lower_ptr, offs_n, mask_n, stride_wn, stride_ln, k_start, prefetch_k, MODE == 0,
+                         PDL)
     wait_for_prior_grid(PDL)
 
     if QUANTIZE_X:  # fp8 mode on fp16 rows: this program's rows' scales from a first pass over all of K

@@ -38,7 +38,7 @@ import triton.language as tl
 from elastiserve.kernels import configs, nested_gemm
 from elastiserve.kernels.configs import SKINNY_MAX_ROWS, SkinnyConfig
 from elastiserve.kernels.formats import Nesting
-from elastiserve.kernels.launch import pdl_options, prefetch_cols, prefetch_rows_l2, wait_for_prior_grid
+from elastiserve.kernels.launch import pdl_options, prefetch_cols, prefetch_weight_rows, wait_for_prior_grid
 from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
 from elastiserve.platforms import ConfigError, current_platform
 
@@ -105,11 +105,7 @@ def _skinny_gemm_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
-    if PDL:  # noqa: SIM102  (PDL is a constexpr: the branch is compiled out without it)
-        if prefetch_k > 0:
-            prefetch_rows_l2(w_ptr, offs_n, mask_n, stride_wn, k_start, prefetch_k)
-            if MODE == 0:  # full mode reads the lower plane too
-                prefetch_rows_l2(lower_ptr, offs_n, mask_n, stride_ln, k_start, prefetch_k)
+    prefetch_weight_rows(w_ptr, lower_ptr, offs_n, mask_n, stride_wn, stride_ln, k_start, prefetch_k, MODE == 0, PDL)
     wait_for_prior_grid(PDL)
     # One accumulator per row (Triton has no register arrays); rows >= M_PAD stay untouched and are dead code.
     acc0 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
