@@ -41,7 +41,7 @@ def prefetch_rows_l2(base_ptr, rows, mask_rows, stride_row, first_col, num_cols)
     row_ptrs = base_ptr + tl.where(mask_rows, rows, 0).to(tl.int64) * stride_row + first_col
     size = tl.full(rows.shape, num_cols * (base_ptr.dtype.element_ty.primitive_bitwidth // 8), tl.int32)
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [row_ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+                              [row_ptrs.to(tl.int64), size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
