@@ -1,0 +1,92 @@
+"""Programmatic dependent launch, compiled for sm90 on the CPU (benchmarks/kernels/compile_report.py; Triton's own
+ptxas, no GPU): with ``PDL`` a kernel's PTX waits for the previous grid (``griddepcontrol.wait``) before its first
+global load or store and lets the next grid launch; a GEMM's L2 weight prefetch comes before the wait (both planes in
+full mode), and without ``PDL`` none of it is emitted. Bit-equality on the GPU: tests/engine/
+test_programmatic_launch_cuda.py. ``prefetch_cols`` spreads the byte budget over the weight's rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastiserve.kernels import launch
+
+pytestmark = [pytest.mark.cpu]
+
+COMPILE_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "compile_report.py"
+_COMPILE = """
+import importlib, importlib.util, json, re, sys
+spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+from elastiserve.kernels import skinny_gemm
+rms_norm = importlib.import_module("elastiserve.kernels.rms_norm")
+from elastiserve.kernels.configs import SkinnyConfig
+
+def order(ptx):
+    body = ptx[ptx.index(".entry"):]
+    first = lambda pattern: min((m.start() for m in re.finditer(pattern, body)), default=-1)
+    return {"wait": first(r"griddepcontrol\\.wait"), "launch": first(r"griddepcontrol\\.launch_dependents"),
+            "prefetch": first(r"cp\\.async\\.bulk\\.prefetch\\.L2"),
+            "prefetches": body.count("cp.async.bulk.prefetch.L2"),
+            "memory": first(r"\\b(ld|st)\\.global")}
+
+out = {}
+fn = skinny_gemm._skinny_gemm_kernel
+types = {n: "i32" for n in fn.arg_names}
+types.update({"x_ptr": "*fp16", "w_ptr": "*u8", "lower_ptr": "*u8", "bias_ptr": "*fp16", "out_ptr": "*fp16",
+              "w_scale": "fp32"})
+base = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "NESTING": 1, "HAS_BIAS": True,
+        "PARTIAL": False, "EVEN_K": True, "PTX_DECODE": False, "DEFER": True, "M_PAD": 1, "BLOCK_N": 16,
+        "BLOCK_K": 256}
+for name, mode, pdl in (("skinny_full_pdl", 0, True), ("skinny_weight_only_pdl", 1, True), ("skinny_full", 0, False)):
+    kernel = report.compile_kernel(fn, types, dict(base, MODE=mode, PDL=pdl), 4, 2, 90)
+    out[name] = order(kernel.asm["ptx"])
+fn = rms_norm._rms_norm_kernel
+types = {n: "i32" for n in fn.arg_names}
+types.update({n: "*fp16" for n in ("out_ptr", "residual_out_ptr", "x_ptr", "residual_ptr", "weight_ptr")})
+types.update({"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"})
+const = {"HAS_RESIDUAL": True, "QUANT": True, "FP8_MAX": 448.0, "MIN_NORMAL": 2.0 ** -6, "ROUND_IN_SOFTWARE": False,
+         "BLOCK": 4096, "PDL": True}
+out["rms_norm_quant_pdl"] = order(report.compile_kernel(fn, types, const, 16, 1, 90).asm["ptx"])
+print(json.dumps(out))
+"""
+
+
+def test_pdl_kernels_wait_before_touching_memory_and_prefetch_before_waiting():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(COMPILE_REPORT)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    for name in ("skinny_full_pdl", "skinny_weight_only_pdl", "rms_norm_quant_pdl"):
+        at = found[name]
+        assert 0 <= at["wait"] < at["memory"] and at["launch"] > at["wait"], (name, at)
+    assert found["skinny_full_pdl"]["prefetches"] == 2 and found["skinny_weight_only_pdl"]["prefetches"] == 1
+    for name in ("skinny_full_pdl", "skinny_weight_only_pdl"):
+        assert 0 <= found[name]["prefetch"] < found[name]["wait"], found[name]
+    assert found["rms_norm_quant_pdl"]["prefetches"] == 0
+    assert found["skinny_full"] == {"wait": -1, "launch": -1, "prefetch": -1, "prefetches": 0,
+                                    "memory": found["skinny_full"]["memory"]}
+
+
+def test_prefetch_cols_spreads_the_budget_and_needs_pdl(monkeypatch):
+    weight = torch.empty((1024, 4096), dtype=torch.uint8)
+    assert launch.prefetch_cols(weight, 4096, 1) == 0  # the CPU platform never launches programmatically
+    platform = launch.current_platform()
+    monkeypatch.setattr(launch, "current_platform", lambda: type("P", (), {
+        "programmatic_launch": True, "arch": platform.arch})())
+    monkeypatch.setitem(launch.WEIGHT_PREFETCH_BYTES, platform.arch, 1 << 20)
+    assert launch.prefetch_cols(weight, 4096, 1) == 1024  # 1 MiB over 1,024 rows
+    assert launch.prefetch_cols(weight, 2048, 2) == 512  # two K splits share each row
+    assert launch.prefetch_cols(weight, 256, 1) == 256  # never past the program's K range
+    assert launch.prefetch_cols(torch.empty((64, 1004), dtype=torch.float16), 1004, 1) == 0  # 2,008-byte rows
+    assert launch.prefetch_cols(torch.empty((3000, 4096), dtype=torch.uint8), 4096, 1) == 336  # 349 -> 336
+    monkeypatch.setitem(launch.WEIGHT_PREFETCH_BYTES, platform.arch, 0)
+    assert launch.prefetch_cols(weight, 4096, 1) == 0
