@@ -404,6 +404,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fp8-min-rows-quantized", type=int, default=None,
                    help="fast mode's fp8 threshold for rows quantized by a norm or SiLU-and-mul on this GPU "
                         "(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT); default: the table's")
+    p.add_argument("--fp8-min-rows-quantized-long", type=int, default=None,
+                   help="the same for rows longer than QUANT_SHORT_K, down_proj's "
+                        "(nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT); default: the table's")
     p.add_argument("--fp8-min-rows", type=int, default=None,
                    help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
     p.add_argument("--weight-prefetch-mib", type=float, default=None,
@@ -432,6 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cpu":
         torch.set_num_threads(1)  # tiny CPU smoke runs: intra-op threads only add spin-wait on a shared machine
     overrides = [(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, args.fp8_min_rows_quantized),
+                 (nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, args.fp8_min_rows_quantized_long),
                  (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
                  (nested_gemm.QUANTIZE_IN_GEMM_MAX_M, args.quantize_in_gemm_max_rows),
                  (launch.WEIGHT_PREFETCH_BYTES,

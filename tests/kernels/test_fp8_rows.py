@@ -217,7 +217,9 @@ def test_compiled_norm_gemm_silu_gemm(device):
 
 def test_fast_mode_threshold_for_quantized_input(monkeypatch):
     """Rows that arrive quantized have their own fp8 threshold (no quantizer launch to pay for): with it at 1 and the
-    plain one at 2, one row runs fp8 only where a norm or SiLU-and-mul quantized it; the MoE kernel from 1 row."""
+    plain one at 2, one row runs fp8 only where a norm or SiLU-and-mul quantized it; the MoE kernel from 1 row. Rows
+    longer than QUANT_SHORT_K (down_proj's) have theirs, 2 on sm90: one such row stays weight-only, and the
+    ``NestedLinear`` asks with its own K."""
     from dataclasses import replace
 
     from elastiserve.platforms import FastGemm, current_platform
@@ -230,3 +232,13 @@ def test_fast_mode_threshold_for_quantized_input(monkeypatch):
     assert nested_gemm.fast_mode_for(1, quantized_input=True) == "fp8"
     assert nested_gemm.fast_mode_for(1, grouped=True) == "fp8"
     assert nested_gemm.fast_mode_for(2) == nested_gemm.fast_mode_for(2, quantized_input=True) == "fp8"
+    monkeypatch.setitem(nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, "sm90", 2)
+    long_k = fp8_activations.QUANT_SHORT_K + 16
+    assert nested_gemm.fast_mode_for(1, quantized_input=True, k=fp8_activations.QUANT_SHORT_K) == "fp8"
+    assert nested_gemm.fast_mode_for(1, quantized_input=True, k=long_k) == "weight_only"
+    assert nested_gemm.fast_mode_for(2, quantized_input=True, k=long_k) == "fp8"
+    linear = torch.nn.Linear(long_k, 8, bias=False).half()
+    torch.nn.init.normal_(linear.weight, std=0.05)
+    down, _ = NestedLinear.from_linear(linear)
+    down.set_mode("fast")
+    assert not down.takes_fp8_rows(1) and down.takes_fp8_rows(2)

@@ -14,7 +14,8 @@ A GEMM launched that way can also ask the L2 for the first bytes of its weight r
 ahead of the GEMM (norm, rotary, attention, SiLU-and-mul) run. ``WEIGHT_PREFETCH_BYTES`` bounds that per launch, so
 that a GEMM's prefetch does not evict itself from the L2 (60 MB on the H200) before its loads arrive.
 
-Whether PDL is on is the platform's ``programmatic_launch`` (``ELASTISERVE_PDL``), resolved once.
+Whether PDL is on is the platform's ``programmatic_launch`` (``ELASTISERVE_PDL``), resolved once: on by default on
+sm90, where it cut the batch-1 decode step by 5-8 % in both modes (capability.PDL_BY_DEFAULT).
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def pdl_options() -> dict:
     return {"PDL": True, "launch_pdl": True} if current_platform().programmatic_launch else {}
 
 
-# Bytes of weights one GEMM launch asks the L2 for before it waits, per arch (0 or absent: none). Unset until a
-# decode step has been timed with it.
+# Bytes of weights one GEMM launch asks the L2 for before it waits, per arch (0 or absent: none). Off on sm90: 8 MiB
+# made the decode step slower in both modes on the H200 (session 19, benchmarks/engine/results/
+# h200-llama8b-decode-s19-call2-in-gemm-64-pdl*.json, batch 1: full 4.394 -> 4.796 ms, fast 2.943 -> 3.032 ms); smaller
+# budgets were not tried.
 WEIGHT_PREFETCH_BYTES: dict[str, int] = {}
 
 

@@ -27,6 +27,7 @@ import triton.language as tl
 from elastiserve.kernels import configs, formats
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import (
+    QUANT_SHORT_K,
     check_fp8_rows,
     fp8_activation,
     fp8_constants,
@@ -61,9 +62,17 @@ FP8_MIN_M = {"sm90": 2}
 # (bench_decode.py --fp8-min-rows-quantized 1 vs 2, h200-llama8b-decode-run11-q{1,2}.json). o_proj, which quantizes
 # for itself, keeps FP8_MIN_M.
 FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
+# ... except for rows longer than QUANT_SHORT_K (down_proj's, K = 14336): one quantizing SiLU-and-mul program holds
+# such a row, and at one row it costs 5.4 us a call against the plain kernel's 1.5 (session 19's decode profile,
+# batch 1, benchmarks/engine/results/h200-decode-kernels-s19.json: 172 us a step against 47), while the down GEMM at
+# one row gains nothing from fp8 (18.4 us either way, h200-nested-gemm-s18.json). Predicted batch-1 fast step:
+# ~-125 us; the engine step has not been timed with it (ci/gpu/README.md, Next).
+FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
 # Up to how many rows fast mode's fp8 GEMM on fp16 rows (o_proj's input, any caller's plain tensor) quantizes them
 # itself, each program taking its rows' scales from a first pass over K, instead of a quantizer launch before it
-# (2.2 us at K = 4096 on the H200, ~2 us a layer at decode sizes). Unset: not yet timed on that arch.
+# (2.2 us at K = 4096 on the H200). Off on sm90: up to 64 rows it made the engine's fast decode step much slower, side
+# by side on the H200 (session 19, benchmarks/engine/results/h200-llama8b-decode-s19-call2-*.json): 3.34 -> 5.55 ms
+# at batch 2, 3.39 -> 4.93 at 8, 4.00 -> 5.39 at 32, i.e. ~40-70 us per o_proj against the ~2 us launch it saves.
 QUANTIZE_IN_GEMM_MAX_M: dict[str, int] = {}
 
 
@@ -287,11 +296,13 @@ def reduce_split_k(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
         BLOCK=block, num_warps=4, **pdl_options())
 
 
-def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = False) -> str:
+def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = False, k: int = 0) -> str:
     """Which fast-mode kernel this platform runs for an M-row input (``grouped``: the MoE GEMM's rows;
-    ``quantized_input``: rows a quantizing norm or SiLU-and-mul would hand over as ``Fp8Rows``)."""
+    ``quantized_input``: rows of ``k`` values a quantizing norm or SiLU-and-mul would hand over as ``Fp8Rows``)."""
     platform = current_platform()
-    table = FP8_MIN_M_QUANTIZED_INPUT if quantized_input else FP8_MIN_M
+    table = FP8_MIN_M
+    if quantized_input:
+        table = FP8_MIN_M_QUANTIZED_LONG_INPUT if k > QUANT_SHORT_K else FP8_MIN_M_QUANTIZED_INPUT
     min_m = 1 if grouped else table.get(platform.arch, 1)
     if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= min_m:
         return "fp8"

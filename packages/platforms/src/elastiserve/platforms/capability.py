@@ -88,8 +88,11 @@ class Platform:
 
 # Archs whose GPUs launch a kernel while the one before it drains (griddepcontrol, PTX ISA 7.8, sm90+).
 PDL_ARCHS = ("sm90",)
-# Whether ELASTISERVE_PDL=auto turns it on, per arch: off until a decode step has been timed both ways.
-PDL_BY_DEFAULT: dict[str, bool] = {}
+# Whether ELASTISERVE_PDL=auto turns it on, per arch. sm90: a Llama-3.1-8B decode step (CUDA-graph replay) on the
+# H200, side by side (session 19, benchmarks/engine/results/h200-llama8b-decode-s19-pdl-{on,off}.json): static-fp16
+# batch 1 4.640 -> 4.402 ms; fast/full 1.43 / 1.51 / 1.59 / 1.58 / 1.56 / 1.62x -> 1.49 / 1.57 / 1.67 / 1.66 / 1.61 /
+# 1.72x at batches 1 / 2 / 4 / 8 / 16 / 32. Tokens and logits bit-equal on and off (test_programmatic_launch_cuda).
+PDL_BY_DEFAULT: dict[str, bool] = {"sm90": True}
 
 
 def _arch_of_nvidia(major: int, minor: int) -> str:
