@@ -23,7 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_decode import GIB, build_engine, decode_inputs, decode_step_fn, first_rows, metadata, resolve_model
+from bench_decode import (
+    GIB,
+    build_engine,
+    decode_inputs,
+    decode_step_fn,
+    first_rows,
+    metadata,
+    resolve_model,
+    time_calls,
+)
 
 # Kernel name -> family, first match wins. Triton kernels keep their Python names (one name for every
 # specialization: the quantizing and the plain RMSNorm are both ``_rms_norm_kernel``); vendor GEMM names vary.
@@ -79,29 +88,15 @@ def kernel_times(fn, device: torch.device, replays: int) -> dict[str, Any]:
     families: dict[str, float] = defaultdict(float)
     for name, us in per_kernel.items():
         families[family(name)] += us
-    return {"total_us": sum(per_kernel.values()), "wall_us": wall_time_us(fn, device, replays),
+    return {"total_us": sum(per_kernel.values()), "wall_us": wall_us(fn, device, replays),
             "families_us": dict(families),
             "kernels": {name: {"us": us, "calls_per_step": counts[name] / replays} for name, us in per_kernel.items()}}
 
 
-def wall_time_us(fn, device: torch.device, replays: int) -> float:
-    """Median wall time of one call of ``fn`` outside the profiler (CUDA events on a GPU): what the kernels' sum
-    misses is the time the GPU sits between them (launch gaps inside the graph, tails of one kernel before the
-    next starts)."""
-    samples = []
-    for _ in range(replays):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-    return sorted(samples)[len(samples) // 2]
+def wall_us(fn, device: torch.device, replays: int) -> float:
+    """Median time of one call of ``fn`` outside the profiler: what the kernels' sum misses is the time the GPU sits
+    between them (launch gaps inside the graph, one kernel's tail before the next starts)."""
+    return time_calls(fn, device, iters=1, trials=replays)["median_s"] * 1e6
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
