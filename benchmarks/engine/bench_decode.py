@@ -409,12 +409,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT); default: the table's")
     p.add_argument("--fp8-min-rows", type=int, default=None,
                    help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
-    p.add_argument("--weight-prefetch-mib", type=float, default=None,
-                   help="with ELASTISERVE_PDL=on: MiB of weights each GEMM asks the L2 for before it waits "
-                        "(kernels.launch.WEIGHT_PREFETCH_BYTES); default: the table's")
-    p.add_argument("--quantize-in-gemm-max-rows", type=int, default=None,
-                   help="up to how many fp16 rows the fp8 GEMM quantizes them itself (nested_gemm."
-                        "QUANTIZE_IN_GEMM_MAX_M); default: the table's")
     args = p.parse_args(argv)
     args.batches = sorted(set(args.batches))
     if args.switch_steps < 4:
@@ -427,7 +421,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from elastiserve.kernels import launch, nested_gemm
+    from elastiserve.kernels import nested_gemm
     from elastiserve.platforms import current_platform
 
     args = parse_args(argv)
@@ -436,10 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(1)  # tiny CPU smoke runs: intra-op threads only add spin-wait on a shared machine
     overrides = [(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, args.fp8_min_rows_quantized),
                  (nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, args.fp8_min_rows_quantized_long),
-                 (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
-                 (nested_gemm.QUANTIZE_IN_GEMM_MAX_M, args.quantize_in_gemm_max_rows),
-                 (launch.WEIGHT_PREFETCH_BYTES,
-                  None if args.weight_prefetch_mib is None else int(args.weight_prefetch_mib * (1 << 20)))]
+                 (nested_gemm.FP8_MIN_M, args.fp8_min_rows)]
     saved = [dict(table) for table, _ in overrides]
     for table, value in overrides:  # before any graph is captured: the routing is baked into them
         if value is not None:

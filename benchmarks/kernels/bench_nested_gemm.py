@@ -107,7 +107,6 @@ def bench_dense(name: str, n: int, k: int, m_values, tune: bool) -> list[dict]:
               f"{times['ours_fast']:8.1f} ({row['fast_vs_fp16']:.2f}x fp16, {row['fast_vs_scaled_mm']:.2f}x fp8)  "
               f"wo {times['ours_weight_only']:7.1f} fp8 {times['ours_fp8']:7.1f} fp8-rows "
               f"{times['ours_fp8_rows']:7.1f} ({row['fp8_rows_vs_fp16']:.2f}x) "
-              f"fp8 quantizer/in-gemm {times['ours_fp8_quantizer']:7.1f} / {times['ours_fp8_in_gemm']:7.1f} "
               f"full-kernel {times['ours_full_kernel']:7.1f}", flush=True)
     return rows
 
@@ -134,11 +133,6 @@ def time_dense_methods(x, x8, x_scale, weights) -> dict[str, float]:
     q, q_scale = quantize_per_token(x)
     times["ours_fp8_rows"] = graph_time_us([lambda c=c: nested_gemm.nested_gemm(
         q, c["upper"], c["lower"], None, Nesting.E4M3, "fp8", x_scale=q_scale) for c in weights])
-    # fp16 rows into the fp8 GEMM both ways, whatever QUANTIZE_IN_GEMM_MAX_M routes: a quantizer launch first, or
-    # the GEMM quantizing its rows in its prologue (o_proj's case in the engine).
-    for name, in_gemm in (("ours_fp8_quantizer", False), ("ours_fp8_in_gemm", True)):
-        times[name] = graph_time_us([lambda c=c, in_gemm=in_gemm: nested_gemm.nested_gemm(
-            x, c["upper"], c["lower"], None, Nesting.E4M3, "fp8", quantize_in_gemm=in_gemm) for c in weights])
     return times
 
 

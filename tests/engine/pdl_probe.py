@@ -1,7 +1,6 @@
 """Run as a script by test_programmatic_launch_cuda.py, once per ELASTISERVE_PDL value: a small random Llama on a DPS
 engine with CUDA graphs decodes greedily in full mode, then with every layer in fast mode; prints JSON with the
-tokens and a SHA-256 of every logits tensor the steps computed (bytes, so a one-bit difference shows). An argument
-``--prefetch-bytes N`` sets the GEMMs' L2 weight prefetch (``launch.WEIGHT_PREFETCH_BYTES``) for this platform."""
+tokens and a SHA-256 of every logits tensor the steps computed (bytes, so a one-bit difference shows)."""
 
 from __future__ import annotations
 
@@ -17,13 +16,10 @@ from tiny_models import random_fp16_model, small_llama_config
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.llm_engine import LLMEngine
 from elastiserve.engine.sampling import SamplingParams
-from elastiserve.kernels import launch
 from elastiserve.platforms import current_platform
 
 
 def main() -> None:
-    if "--prefetch-bytes" in sys.argv:
-        launch.WEIGHT_PREFETCH_BYTES[current_platform().arch] = int(sys.argv[sys.argv.index("--prefetch-bytes") + 1])
     layers = 3
     model = random_fp16_model(small_llama_config(layers, 512), device="cuda")
     config = EngineConfig(model="tiny", device="cuda", policy="dps", block_size=16, max_num_seqs=8,

@@ -1,10 +1,9 @@
 """Fast mode's fp8 rows quantized where they are made: the quantizing norms (``rms_norm_quant``,
 ``fused_add_rms_norm_quant``) and ``silu_and_mul_quant`` write the very bytes and scales that ``quantize_per_token``
 writes from the unfused op's fp16 output (the fallback for prefill-sized SiLU rows too), the new residual bit-exact;
-the fp8 GEMM on those rows (``nested_gemm(..., x_scale=)``, op ``elastiserve::nested_linear_fp8``) equals the GEMM
-that quantizes for itself, by a quantizer launch or in its own prologue (``quantize_in_gemm``); ``NestedLinear``
-takes ``Fp8Rows`` only where it runs fp8. Typed errors, opcheck, and torch.compile(fullgraph=True) over norm -> fp8
-GEMM -> SiLU-and-mul -> fp8 GEMM."""
+the fp8 GEMM on those rows (``nested_gemm(..., x_scale=)``, op ``elastiserve::nested_linear_fp8``) equals the GEMM that
+quantizes for itself; ``NestedLinear`` takes ``Fp8Rows`` only where it runs fp8. Typed errors, opcheck, and
+torch.compile(fullgraph=True) over norm -> fp8 GEMM -> SiLU-and-mul -> fp8 GEMM."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from elastiserve.kernels import fp8_activations, nested_gemm
-from elastiserve.kernels.configs import GemmConfig
 from elastiserve.kernels.formats import Nesting, split
 from elastiserve.kernels.fp8_activations import Fp8Rows, quantize_per_token
 from elastiserve.kernels.nested_linear import NestedLinear
@@ -121,26 +119,6 @@ def test_fp8_gemm_on_quantized_rows_equals_the_gemm_that_quantizes(device, m):
     assert torch.equal(ref, nested_gemm.nested_linear_ref(x, upper, lower, bias, Nesting.E4M3, "fp8"))
     err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
     assert err < 2e-3
-
-
-@pytest.mark.parametrize("nesting", [Nesting.E4M3, Nesting.E5M2])
-def test_fp8_gemm_quantizing_its_own_rows_equals_the_quantizer_launch(device, nesting):
-    """``quantize_in_gemm``: each program takes its rows' scales from a first pass over K and quantizes its x tiles
-    as it loads them; the output equals quantizer launch + GEMM bit for bit, with the row maximum in the last
-    column, on tiles with and without swapped operands, split K and a ragged K tail."""
-    cpu = device.type == "cpu"
-    shapes = [(1, 48, 40), (5, 48, 64), (33, 48, 40)] if cpu else [(1, 4096, 4096), (37, 4096, 4096), (16, 4096, 14336)]
-    tiles = [None, GemmConfig(16, 32, 32, swap_ab=False), GemmConfig(16, 16, 32, split_k=2),
-             GemmConfig(32, 16, 32, split_k=3, swap_ab=False)]
-    for m, n, k in shapes:
-        x, upper, lower, bias = nested_problem(device, m, n, k, nesting)
-        x[-1, -1] = 40.0
-        for config in tiles:
-            want = nested_gemm.nested_gemm(x, upper, lower, bias, nesting, "fp8", config=config,
-                                           quantize_in_gemm=False)
-            got = nested_gemm.nested_gemm(x, upper, lower, bias, nesting, "fp8", config=config,
-                                          quantize_in_gemm=True)
-            assert torch.equal(got, want), (m, n, k, config)
 
 
 def test_nested_linear_fp8_op_and_errors(device):

@@ -5,9 +5,8 @@ the quantizing norms and SiLU-and-mul share.
 [M]) with ``x ~ q * scale``: scale = max(|row|, 1e-8) / FP8_MAX by IEEE division, q = x / scale clamped and rounded
 to nearest even. ``quantize_row`` is the same math on a row held in registers, so a kernel that has just computed a
 row (``rms_norm.py``, ``silu_mul.py``) writes the fp8 row and its scale itself and the separate quantizer launch (2-5
-us at decode sizes on the H200) goes away; the bytes equal the quantizer's on that kernel's fp16 output.
-``row_scales`` and ``fp8_activation`` do the same inside the fp8 GEMM for fp16 rows (``nested_gemm``'s
-``quantize_in_gemm``). Pure-torch reference: ``quantize_per_token_ref``.
+us at decode sizes on the H200) goes away; the bytes equal the quantizer's on that kernel's fp16 output. Pure-torch
+reference: ``quantize_per_token_ref``.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ _SCALE_FLOOR = 1e-8
 
 
 @triton.jit
-def to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
+def _to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
     q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as the reference
     if ROUND_IN_SOFTWARE:
         # The Triton 3.6 interpreter's fp32 -> fp8 cast drops the carry when rounding crosses a power of two
@@ -55,34 +54,7 @@ def to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexp
 def quantize_row(x, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
     """(q, scale) of one fp32 row held in registers (masked-off lanes must be 0): the quantizer's one-pass math."""
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), FP8_MAX)
-    return to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL), scale
-
-
-@triton.jit
-def row_scales(x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """``quantize_per_token``'s scales of rows ``offs_m`` (fp32 [BLOCK_M]): max |x| over the whole row, floored,
-    divided by FP8_MAX (IEEE division). Every program re-reads its rows (from L2 after the first), which is why
-    ``nested_gemm.QUANTIZE_IN_GEMM_MAX_M`` keeps this to few rows."""
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        offs = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :] * stride_xk,
-                    mask=mask_m[:, None] & (offs[None, :] < K), other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    return tl.div_rn(tl.maximum(amax, 1e-8), FP8_MAX)
-
-
-@triton.jit
-def fp8_activation(x, scale, FNUZ: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                    ROUND_IN_SOFTWARE: tl.constexpr):
-    """fp16 activations -> the e4m3 bytes ``quantize_per_token`` writes for them (``scale`` broadcasts)."""
-    q = to_fp8_range(x.to(tl.float32), scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
-    if FNUZ:  # (if/else, not an early return: the compiler checks every return's type against the first)
-        out = q.to(tl.float8e4b8)
-    else:
-        out = q.to(tl.float8e4nv)
-    return out
+    return _to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL), scale
 
 
 @triton.jit
@@ -109,7 +81,7 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            q = to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
+            q = _to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 

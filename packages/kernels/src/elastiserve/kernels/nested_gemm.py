@@ -29,14 +29,11 @@ from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import (
     QUANT_SHORT_K,
     check_fp8_rows,
-    fp8_activation,
-    fp8_constants,
     platform_fnuz,
     quantize_per_token,
     quantize_per_token_ref,
-    row_scales,
 )
-from elastiserve.kernels.launch import pdl_options, prefetch_cols, prefetch_weight_rows, wait_for_prior_grid
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import merge_planes
 from elastiserve.kernels.weight_decode import load_weight_tile
 from elastiserve.platforms import ConfigError, FastGemm, Vendor, current_platform
@@ -68,12 +65,6 @@ FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
 # one row gains nothing from fp8 (18.4 us either way, h200-nested-gemm-s18.json). Predicted batch-1 fast step:
 # ~-125 us; the engine step has not been timed with it (ci/gpu/README.md, Next).
 FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
-# Up to how many rows fast mode's fp8 GEMM on fp16 rows (o_proj's input, any caller's plain tensor) quantizes them
-# itself, each program taking its rows' scales from a first pass over K, instead of a quantizer launch before it
-# (2.2 us at K = 4096 on the H200). Off on sm90: up to 64 rows it made the engine's fast decode step much slower, side
-# by side on the H200 (session 19, benchmarks/engine/results/h200-llama8b-decode-s19-call2-*.json): 3.34 -> 5.55 ms
-# at batch 2, 3.39 -> 4.93 at 8, 4.00 -> 5.39 at 32, i.e. ~40-70 us per o_proj against the ~2 us launch it saves.
-QUANTIZE_IN_GEMM_MAX_M: dict[str, int] = {}
 
 
 @triton.jit
@@ -85,9 +76,7 @@ def _nested_gemm_kernel(
     MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    QUANTIZE_X: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, MIN_NORMAL: tl.constexpr = 0.015625,
-    ROUND_IN_SOFTWARE: tl.constexpr = False, PDL: tl.constexpr = False,
-    prefetch_k=0,  # launched early (PDL): columns of each weight row to ask the L2 for before waiting
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -105,12 +94,8 @@ def _nested_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
-    prefetch_weight_rows(upper_ptr, lower_ptr, offs_n, mask_n, stride_wn, stride_ln, k_start, prefetch_k, MODE == 0,
-                         PDL)
     wait_for_prior_grid(PDL)
 
-    if QUANTIZE_X:  # fp8 mode on fp16 rows: this program's rows' scales from a first pass over all of K
-        row_scale = row_scales(x_ptr, offs_m, mask_m, K, stride_xm, stride_xk, FP8_MAX, BLOCK_M, BLOCK_K)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -130,8 +115,6 @@ def _nested_gemm_kernel(
             else:
                 x_mask = mask_m[None, :] & mask_k[:, None]
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_mask, other=0.0)
-            if QUANTIZE_X:
-                xt = fp8_activation(xt, row_scale[None, :], FNUZ, FP8_MAX, MIN_NORMAL, ROUND_IN_SOFTWARE)
             acc = tl.dot(w, xt, acc)
         else:
             if EVEN_K:
@@ -139,17 +122,12 @@ def _nested_gemm_kernel(
             else:
                 x_mask = mask_m[:, None] & mask_k[None, :]
             xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_mask, other=0.0)
-            if QUANTIZE_X:
-                xa = fp8_activation(xa, row_scale[:, None], FNUZ, FP8_MAX, MIN_NORMAL, ROUND_IN_SOFTWARE)
             acc = tl.dot(xa, tl.trans(w), acc)
 
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if MODE == 2:
-        if QUANTIZE_X:
-            x_scale = row_scale
-        else:
-            x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
         acc = acc * (x_scale[:, None] * w_scale)
     else:
         acc = acc * w_scale  # 2^weight_exp: exact, and 1.0 for an unscaled layer
@@ -219,14 +197,11 @@ def register_cap(config: configs.GemmConfig) -> dict:
 
 def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                 nesting: int, mode: str, *, fnuz: bool = False, weight_exp: int = 0,
-                config: configs.GemmConfig | None = None, x_scale: torch.Tensor | None = None,
-                quantize_in_gemm: bool | None = None) -> torch.Tensor:
+                config: configs.GemmConfig | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the Triton kernel(s): x fp16 [M, K], planes uint8 [N, K] (of ``w * 2^-weight_exp``) -> fp16 [M, N].
 
     ``x_scale`` (fp8 mode only): x is already ``quantize_per_token``'s fp8 rows and this their fp32 scales [M], as
-    the quantizing norms and SiLU-and-mul write them (``fp8_activations.py``); the GEMM then launches alone.
-    ``quantize_in_gemm`` (fp8 mode on fp16 rows): the GEMM quantizes x itself, bytes equal to the quantizer's,
-    rather than after a quantizer launch; None: ``QUANTIZE_IN_GEMM_MAX_M`` decides."""
+    the quantizing norms and SiLU-and-mul write them (``fp8_activations.py``); the GEMM then launches alone."""
     if x_scale is not None:
         if mode != "fp8":
             raise ConfigError(f"pre-quantized fp8 rows feed fp8 mode only, not {mode!r}")
@@ -255,23 +230,17 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     if mode == "fp8" and config.block_k < 32:
         raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
     check_ptx_decode(config, platform)
-    quantize_x = mode == "fp8" and x_scale is None and (
-        quantize_in_gemm if quantize_in_gemm is not None else m <= QUANTIZE_IN_GEMM_MAX_M.get(platform.arch, 0))
-    if mode == "fp8" and x_scale is None and not quantize_x:
+    if mode == "fp8" and x_scale is None:
         x, x_scale = quantize_per_token(x, fnuz)
     out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
-    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
-    pdl = pdl_options()
-    if pdl and triton.cdiv(m, config.block_m) == 1:  # one token tile: each weight row is read by one program
-        pdl["prefetch_k"] = prefetch_cols(upper, k_per_split, split)
     _nested_gemm_kernel[grid](
-        x, x if x_scale is None else x_scale,  # the scale pointer is read for quantized rows only
+        x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only
         upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
         bias if bias is not None else x, target,
-        m, n, k, k_per_split,
+        m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
         x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
         weight_scale(nesting, mode, fnuz, weight_exp),
@@ -279,8 +248,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
         PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        QUANTIZE_X=quantize_x, **fp8_constants(fnuz),
-        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl_options(),
     )
     if split > 1:
         reduce_split_k(target, bias, out)

@@ -38,7 +38,7 @@ import triton.language as tl
 from elastiserve.kernels import configs, nested_gemm
 from elastiserve.kernels.configs import SKINNY_MAX_ROWS, SkinnyConfig
 from elastiserve.kernels.formats import Nesting
-from elastiserve.kernels.launch import pdl_options, prefetch_cols, prefetch_weight_rows, wait_for_prior_grid
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
 from elastiserve.platforms import ConfigError, current_platform
 
@@ -99,14 +99,12 @@ def _skinny_gemm_kernel(
     PARTIAL: tl.constexpr,  # SPLIT_K > 1; a bool rather than the split count, so every split shares one compile
     EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr, DEFER: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-    prefetch_k=0,  # launched early (PDL): columns of each weight row to ask the L2 for before waiting
 ):
+    wait_for_prior_grid(PDL)
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
-    prefetch_weight_rows(w_ptr, lower_ptr, offs_n, mask_n, stride_wn, stride_ln, k_start, prefetch_k, MODE == 0, PDL)
-    wait_for_prior_grid(PDL)
     # One accumulator per row (Triton has no register arrays); rows >= M_PAD stay untouched and are dead code.
     acc0 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
     acc1 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
@@ -189,20 +187,16 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
     m_pad = triton.next_power_of_2(m)
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
-    pdl = pdl_options()
-    if pdl:
-        pdl["prefetch_k"] = prefetch_cols(w, k_per_split, split)
     _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split)](
         x, w, lower, bias if bias is not None else x, target,
-        m, n, k, k_per_split,
+        m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), lower.stride(0), lower.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
         w_scale,
         MODE=MODE_IDS[mode], NESTING=nesting, HAS_BIAS=bias is not None, PARTIAL=split > 1,
         EVEN_K=k % (config.block_k * split) == 0, PTX_DECODE=config.ptx_decode, DEFER=defers_reduction(config, m_pad),
         M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
     )
     if split > 1:
         nested_gemm.reduce_split_k(target, bias, out)
