@@ -181,7 +181,8 @@ def attention_report(arch: int) -> list[dict]:
         const = {"BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 4, "BLOCK_D": 128,
                  "PAIRS": attention.TARGET_PAIRS_PER_TILE, "BASE_PAIRS": base_pairs, "PATH": path, "NUM_SPLITS": 4,
                  "INTERPRETED": False, "PARTIALS": True, "TOTAL_SPLITS": 8 if path >= 3 else 4,
-                 "SPLIT_BASE": 4 if path == 4 else 0}
+                 "SPLIT_BASE": 4 if path == 4 else 0,
+                 "SPLIT_ALIGN": attention.TARGET_PAIRS_PER_TILE if path == 0 else attention.BASE_PAIRS_PER_TILE}
         kernel = compile_kernel(fn, types, const, attention.NUM_WARPS, attention.NUM_STAGES, arch)
         row = {"kernel": "paged_attention", "path": path, "base_pairs": base_pairs,
                **facts(kernel, arch, 32 * attention.NUM_WARPS)}

@@ -78,6 +78,18 @@ def test_decode_kv_splits_equal_reference(device, path, num_splits):
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("path", [NATIVE, STRUCTURED, STRUCTURED_SPLIT])
+def test_more_splits_than_pairs_merge_only_the_filled_ones(device, path):
+    # 16 splits over 1-10 pairs: trailing ranges are empty and the reduction reads only the filled ones (native:
+    # ranges of 2 pairs, so 300 tokens fill 5; the BASE-capable paths align to 4). A 1-token sequence fills one.
+    pair_base = [[], [], [], []] if path == NATIVE else [[3, 4, 5, 6], [], [2], []]
+    batch = build_batch(device, [300, 17, 250, 1], [1, 1, 1, 1], pair_base, group=4, head_dim=32)
+    _, bounds, modes = metadata(batch, device, path)
+    expected = run_attention(batch, path, bounds, modes, ref=True)
+    got = run_attention(batch, path, bounds, modes, num_splits=16)
+    torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
+
+
 @pytest.mark.parametrize("name", ["structured", "all_base", "all_target", "prefill"])
 def test_split_launch_structured_path_equals_one_launch(device, name):
     """Path 3 reads path 1's layout in two launches (TARGET ranges, BASE run) merged as KV splits; prefill tiles

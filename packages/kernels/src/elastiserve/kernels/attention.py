@@ -104,6 +104,9 @@ def _paged_attention_triton(
     else:
         part_acc = part_ml = out  # never touched
     grid = (batch, num_kv_heads, num_splits if partials else num_q_blocks)
+    # Split ranges align to the tile the path reads: a BASE tile (BASE_PAIRS_PER_TILE) wherever BASE can occur, the
+    # native path's own 2-pair tile otherwise, so a short context spreads over twice the programs.
+    split_align = TARGET_PAIRS_PER_TILE if path == NATIVE else BASE_PAIRS_PER_TILE
     for kernel_path, split_base, base_pairs in launches:
         paged_attention_kernel[grid](
             q, out, layer_view,
@@ -116,12 +119,14 @@ def _paged_attention_triton(
             BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d,
             PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=base_pairs, PATH=kernel_path, NUM_SPLITS=num_splits,
             INTERPRETED=triton_interpret(), PARTIALS=partials, TOTAL_SPLITS=total_splits, SPLIT_BASE=split_base,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options()
+            SPLIT_ALIGN=split_align, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options()
         )  # fmt: skip
     if partials:
         reduce_splits_kernel[(batch, num_kv_heads)](
-            out, query_start_loc, part_acc, part_ml, out.stride(0), out.stride(1), group_size, head_dim,
-            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, NUM_SPLITS=total_splits, num_warps=4, **pdl_options()
+            out, query_start_loc, seq_lens, part_acc, part_ml, out.stride(0), out.stride(1), group_size, head_dim,
+            BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, NUM_SPLITS=total_splits,
+            SPLIT_ALIGN=0 if len(launches) > 1 else split_align, INTERPRETED=triton_interpret(), num_warps=4,
+            **pdl_options(),
         )  # fmt: skip
     return out
 
