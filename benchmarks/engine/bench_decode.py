@@ -409,6 +409,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT); default: the table's")
     p.add_argument("--fp8-min-rows", type=int, default=None,
                    help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
+    p.add_argument("--split-quant-max-rows", type=int, default=None,
+                   help="most rows the quantizing SiLU-and-mul splits over programs (silu_mul.SPLIT_QUANT_MAX_ROWS; "
+                        "0: one program a row); default: the table's")
     args = p.parse_args(argv)
     args.batches = sorted(set(args.batches))
     if args.switch_steps < 4:
@@ -421,7 +424,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from elastiserve.kernels import nested_gemm
+    from elastiserve.kernels import nested_gemm, silu_mul
     from elastiserve.platforms import current_platform
 
     args = parse_args(argv)
@@ -430,7 +433,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(1)  # tiny CPU smoke runs: intra-op threads only add spin-wait on a shared machine
     overrides = [(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, args.fp8_min_rows_quantized),
                  (nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, args.fp8_min_rows_quantized_long),
-                 (nested_gemm.FP8_MIN_M, args.fp8_min_rows)]
+                 (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
+                 (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows)]
     saved = [dict(table) for table, _ in overrides]
     for table, value in overrides:  # before any graph is captured: the routing is baked into them
         if value is not None:

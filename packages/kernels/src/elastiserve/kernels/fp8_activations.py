@@ -35,7 +35,7 @@ _SCALE_FLOOR = 1e-8
 
 
 @triton.jit
-def _to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
+def to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
     q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as the reference
     if ROUND_IN_SOFTWARE:
         # The Triton 3.6 interpreter's fp32 -> fp8 cast drops the carry when rounding crosses a power of two
@@ -54,7 +54,7 @@ def _to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constex
 def quantize_row(x, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
     """(q, scale) of one fp32 row held in registers (masked-off lanes must be 0): the quantizer's one-pass math."""
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), FP8_MAX)
-    return _to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL), scale
+    return to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL), scale
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            q = _to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
+            q = to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 

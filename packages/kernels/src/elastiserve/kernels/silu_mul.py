@@ -7,7 +7,9 @@ dtype, then the product rounded once more, so the fused kernel and the reference
 ``elastiserve::silu_and_mul_quant`` writes the product as fast mode's fp8 GEMM takes it (per-token E4M3 rows and
 their fp32 scales, ``fp8_activations.quantize_row``): one program holds a whole row, which is how the quantizer
 reads rows of this length at decode sizes anyway (``quantizes_in_one_pass``: <= 128 rows of I = 14336); more rows than
-that run the two kernels, whose bytes are the same.
+that run the two kernels, whose bytes are the same. A few long rows (``SPLIT_QUANT_MAX_ROWS``) are instead spread over
+BLOCK-wide programs in two launches: the products with each chunk's max, then the row scale from those maxima and the
+codes. Every route writes the bytes ``quantize_per_token`` writes from ``silu_and_mul``'s output.
 
 Runs Triton when ``current_platform().kernel_backend == "triton"`` and the pure-torch ``*_ref`` otherwise.
 """
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from elastiserve.kernels.fp8_activations import (
+    QUANT_SHORT_K,
     empty_fp8_rows,
     fp8_constants,
     quantize_per_token,
@@ -27,12 +30,19 @@ from elastiserve.kernels.fp8_activations import (
     quantize_row,
     quantizes_in_one_pass,
     row_warps,
+    to_fp8_range,
 )
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.rms_norm import ElementwiseShapeError
 from elastiserve.platforms import current_platform
 
 BLOCK = 1024  # columns per program: a batch-1 decode row of Llama-8B (I = 14336) still spreads over 14 SMs
+# Up to this many rows of more than QUANT_SHORT_K values, silu_and_mul_quant splits each row over BLOCK-wide programs
+# in two launches (products and chunk maxima, then the scale and the fp8 codes) instead of one program a row: that
+# program computes a whole 14,336-wide row on one SM and took 5.4 us a call on the H200 at 1-4 rows (session 19
+# profile, PDL off) against 1.5 us for the plain SiLU-and-mul over 14 programs. An arch not listed keeps one program.
+# The interpreter takes the split from the first row so the CPU tests reach it.
+SPLIT_QUANT_MAX_ROWS = {"sm90": 32, "cpu": 4}
 
 
 @triton.jit
@@ -75,6 +85,42 @@ def _silu_and_mul_quant_kernel(q_ptr, scale_ptr, gate_up_ptr, stride_row, inter,
     tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _silu_mul_chunk_max_kernel(out_ptr, chunk_max_ptr, gate_up_ptr, stride_row, inter, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    """The first launch of the split quantizing SiLU-and-mul: one BLOCK-wide chunk of a row's fp16 product, and the
+    chunk's max |value| into chunk_max[row, chunk]."""
+    wait_for_prior_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    out = _silu_mul(gate_up_ptr + row * stride_row, inter, cols, mask)
+    tl.store(out_ptr + row * inter + cols, out, mask=mask)
+    tl.store(chunk_max_ptr + row * tl.num_programs(1) + chunk, tl.max(tl.abs(out.to(tl.float32)), axis=0))
+
+
+@triton.jit
+def _silu_mul_quantize_chunk_kernel(q_ptr, scale_ptr, x_ptr, chunk_max_ptr, inter, FP8_MAX: tl.constexpr,
+                           MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
+                           CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
+    """The second launch: the row's scale from its chunk maxima (max is exact, so it is quantize_row's scale), then
+    this chunk's codes; chunk 0 writes the scale."""
+    wait_for_prior_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    slots = tl.arange(0, CHUNKS)
+    maxima = tl.load(chunk_max_ptr + row * tl.num_programs(1) + slots, mask=slots < tl.num_programs(1), other=0.0)
+    scale = tl.div_rn(tl.maximum(tl.max(maxima, axis=0), 1e-8), FP8_MAX)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    x = tl.load(x_ptr + row * inter + cols, mask=mask, other=0.0).to(tl.float32)
+    q = to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
+    tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+
+
 def _rows_of(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up as [R, 2I] rows with a unit last stride, a view where the leading dims allow it."""
     inter2 = gate_up.shape[-1]
@@ -111,13 +157,26 @@ def _(gate_up):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
+def splits_quantizing_rows(num_rows: int, inter: int) -> bool:
+    """Whether silu_and_mul_quant spreads each of ``num_rows`` rows over programs (``SPLIT_QUANT_MAX_ROWS``)."""
+    return inter > QUANT_SHORT_K and num_rows <= SPLIT_QUANT_MAX_ROWS.get(current_platform().arch, 0)
+
+
 def _silu_and_mul_quant_triton(gate_up: torch.Tensor, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _rows_of(gate_up)
     num_rows, inter = rows.shape[0], rows.shape[1] // 2
     if not quantizes_in_one_pass(num_rows, inter):  # prefill-sized: the looping quantizer reads such rows faster
         return quantize_per_token(_silu_and_mul_triton(rows), fnuz)
     q, scale = empty_fp8_rows(num_rows, inter, fnuz, gate_up.device)
-    if num_rows:
+    if num_rows and splits_quantizing_rows(num_rows, inter):
+        chunks = triton.cdiv(inter, BLOCK)
+        product = torch.empty((num_rows, inter), dtype=rows.dtype, device=rows.device)
+        chunk_max = torch.empty((num_rows, chunks), dtype=torch.float32, device=rows.device)
+        grid = (num_rows, chunks)
+        _silu_mul_chunk_max_kernel[grid](product, chunk_max, rows, rows.stride(0), inter, BLOCK=BLOCK, **pdl_options())
+        _silu_mul_quantize_chunk_kernel[grid](q, scale, product, chunk_max, inter, **fp8_constants(fnuz), BLOCK=BLOCK,
+                                     CHUNKS=triton.next_power_of_2(chunks), **pdl_options())
+    elif num_rows:
         block = triton.next_power_of_2(max(inter, 16))
         _silu_and_mul_quant_kernel[(num_rows,)](q, scale, rows, rows.stride(0), inter, **fp8_constants(fnuz),
                                                 BLOCK=block, num_warps=row_warps(block), **pdl_options())
