@@ -81,8 +81,8 @@ def test_fused_add_rms_norm_quant_writes_the_quantizers_bytes_and_the_residual(d
 # One program a row (decode sizes), then rows the quantizer loops over (more than QUANT_FEW_ROWS of long rows), where
 # the op runs SiLU-and-mul and the quantizer.
 # Rows longer than QUANT_SHORT_K at few rows take the split route (silu_mul.SPLIT_QUANT_MAX_ROWS; the CPU's table sends
-# (3, 5000) and (1, 4100) there, whose last chunk is ragged and holds the row's maximum).
-@pytest.mark.parametrize("tokens, inter", [(1, 40), (7, 136), (3, 5000), (1, 4100),
+# (3, 5000) and (1, 4100) there, whose last chunk is ragged and holds the row's maximum; (2, 14336) is Llama-8B's).
+@pytest.mark.parametrize("tokens, inter", [(1, 40), (7, 136), (3, 5000), (1, 4100), (2, 14336),
                                            (fp8_activations.QUANT_FEW_ROWS + 1, fp8_activations.QUANT_SHORT_K + 8)])
 def test_silu_and_mul_quant_writes_the_quantizers_bytes(device, tokens, inter):
     gate_up = rows(device, tokens, 2 * inter, inter, 4.0)
