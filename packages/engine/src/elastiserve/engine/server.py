@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from elastiserve.engine import protocol, structured
+from elastiserve.engine import protocol, responses, structured
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
 from elastiserve.engine.protocol import BadRequest, eos_token_ids, error_body
 from elastiserve.engine.server_generation import (
@@ -107,7 +107,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response(protocol.models_body([request.app[STATE_KEY].model_name]))
+    return web.json_response(responses.models_body([request.app[STATE_KEY].model_name]))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from elastiserve.engine import protocol, tool_calls
+from elastiserve.engine import responses, tool_calls
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
 from elastiserve.engine.metrics_prom import ServerMetrics
 from elastiserve.engine.protocol import BadRequest, ParsedRequest, error_body
@@ -164,7 +164,7 @@ class RequestRun:
         if not self.pending_logprobs:
             return None
         decode = self.state.tokenizer.decode
-        body = protocol.logprobs_body(self.req, self.pending_logprobs, lambda token_id: decode([token_id]),
+        body = responses.logprobs_body(self.req, self.pending_logprobs, lambda token_id: decode([token_id]),
                                       self.text_offset)
         if body is not None and "tokens" in body:
             self.text_offset += sum(len(t) for t in body["tokens"])
@@ -199,7 +199,7 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
     state = request.app[STATE_KEY]
     prompts = prompt_ids_of(state, req)
     params = [make_params(state, req, len(ids)) for ids in prompts]
-    request_id = protocol.new_id(req.kind)
+    request_id = responses.new_id(req.kind)
     state.metrics.count("requests_total")
     ranked = req.best_of > req.n
     if ranked and getattr(params[0], "logprobs", 0) is None:  # score the sampled tokens only (no alternatives)
@@ -231,7 +231,7 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
         echo = prompt_text(state, req, p) if req.echo else ""
         choices += [(echo + texts[group[i]], runs[group[i]].finish_reason, runs[group[i]].take_logprobs())
                     for i in best]
-    body = protocol.full_body(req, request_id, choices, prompt_tokens, sum(r.num_output_tokens for r in runs))
+    body = responses.full_body(req, request_id, choices, prompt_tokens, sum(r.num_output_tokens for r in runs))
     if req.tools is not None:
         tool_calls.attach_calls(body, req.tools)
     return web.json_response(body)
@@ -290,11 +290,11 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
     created = int(time.time())
     for run, first in zip(runs, firsts):
         if req.kind == "chat":
-            await response.write(sse(protocol.chunk_body(req, request_id, created, "", None, first=True,
+            await response.write(sse(responses.chunk_body(req, request_id, created, "", None, first=True,
                                                          index=run.index)))
         elif req.echo:
             run.take_prompt(first)  # the first output carries the prompt's logprobs: they go with the prompt's text
-            await response.write(sse(protocol.chunk_body(req, request_id, created,
+            await response.write(sse(responses.chunk_body(req, request_id, created,
                                                          prompt_text(state, req, run.prompt_index), None,
                                                          logprobs=run.take_logprobs(), index=run.index)))
     queue: asyncio.Queue = asyncio.Queue()
@@ -310,7 +310,7 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
             if run.tool_stream is not None:
                 await write_deltas(response, run, request_id, created, run.tool_stream.feed(text))
             elif text:
-                await response.write(sse(protocol.chunk_body(req, request_id, created, text, None,
+                await response.write(sse(responses.chunk_body(req, request_id, created, text, None,
                                                              logprobs=run.take_logprobs(), index=run.index)))
             if run.finish_reason is not None:
                 remaining -= 1
@@ -318,7 +318,7 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
                 if run.tool_stream is not None:
                     await write_deltas(response, run, request_id, created, run.tool_stream.finish())
                     reason = tool_calls.finish_reason(run.tool_stream.calls, reason)
-                await response.write(sse(protocol.chunk_body(req, request_id, created, None, reason,
+                await response.write(sse(responses.chunk_body(req, request_id, created, None, reason,
                                                              logprobs=run.take_logprobs(), index=run.index)))
     except EngineStepFailed as exc:
         state.metrics.count("requests_failed_total")
@@ -333,7 +333,7 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
     if req.include_usage:
-        await response.write(sse(protocol.usage_chunk(req, request_id, created, prompt_tokens,
+        await response.write(sse(responses.usage_chunk(req, request_id, created, prompt_tokens,
                                                       sum(r.num_output_tokens for r in runs))))
     await response.write(b"data: [DONE]\n\n")
     for run in runs:
@@ -346,7 +346,7 @@ async def write_deltas(response: web.StreamResponse, run: RequestRun, request_id
     """A tool-using choice's deltas (content, a call's start, its arguments' fragments), one chunk each; the
     logprobs of the tokens so far go with the first (held-back tokens' wait for the next chunk sent)."""
     for delta in deltas:
-        chunk = protocol.chunk_body(run.req, request_id, created, None, None, logprobs=run.take_logprobs(),
+        chunk = responses.chunk_body(run.req, request_id, created, None, None, logprobs=run.take_logprobs(),
                                     index=run.index)
         chunk["choices"][0]["delta"].update(delta)
         await response.write(sse(chunk))
