@@ -320,22 +320,19 @@ def reduce_splits_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    used = NUM_SPLITS
     if SPLIT_ALIGN > 0:
         # A decode tile holds every query of its sequence, so the attention split seq_len's pairs (its kv_end).
         num_pairs = tl.cdiv(tl.load(seq_lens_ptr + seq), 2 * BLOCK_SIZE)
         used = tl.cdiv(num_pairs, tl.maximum(_pairs_per_split(num_pairs, NUM_SPLITS, SPLIT_ALIGN), 1))
-        if INTERPRETED:  # runtime range() bounds fail in the interpreter with numpy >= 2.4 (see _attend_pairs)
-            split = 0
-            while split < used:
-                acc, m_i, l_i = _merge_split(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, first + split, rows, dims,
-                                             BLOCK_M, BLOCK_D)
-                split += 1
-        else:
-            for split in range(0, used):
-                acc, m_i, l_i = _merge_split(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, first + split, rows, dims,
-                                             BLOCK_M, BLOCK_D)
+    if INTERPRETED:  # runtime range() bounds fail in the interpreter with numpy >= 2.4 (see _attend_pairs)
+        split = 0
+        while split < used:
+            acc, m_i, l_i = _merge_split(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, first + split, rows, dims,
+                                         BLOCK_M, BLOCK_D)
+            split += 1
     else:
-        for split in range(NUM_SPLITS):
+        for split in range(0, used):
             acc, m_i, l_i = _merge_split(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, first + split, rows, dims,
                                          BLOCK_M, BLOCK_D)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -51,9 +51,15 @@ def to_fp8_range(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexp
 
 
 @triton.jit
+def scale_of(amax, FP8_MAX: tl.constexpr):
+    """The scale of a row whose max |x| is ``amax``: floored at 1e-8, then IEEE-divided by FP8_MAX (the reference's)."""
+    return tl.div_rn(tl.maximum(amax, 1e-8), FP8_MAX)
+
+
+@triton.jit
 def quantize_row(x, FP8_MAX: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, MIN_NORMAL: tl.constexpr):
     """(q, scale) of one fp32 row held in registers (masked-off lanes must be 0): the quantizer's one-pass math."""
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), FP8_MAX)
+    scale = scale_of(tl.max(tl.abs(x), axis=0), FP8_MAX)
     return to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL), scale
 
 
@@ -76,7 +82,7 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), FP8_MAX)
+        scale = scale_of(tl.max(amax, axis=0), FP8_MAX)
         tl.store(scale_ptr + row, scale)
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)

@@ -62,8 +62,9 @@ FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
 # ... except for rows longer than QUANT_SHORT_K (down_proj's, K = 14336): one quantizing SiLU-and-mul program holds
 # such a row, and at one row it costs 5.4 us a call against the plain kernel's 1.5 (session 19's decode profile,
 # batch 1, benchmarks/engine/results/h200-decode-kernels-s19.json: 172 us a step against 47), while the down GEMM at
-# one row gains nothing from fp8 (18.4 us either way, h200-nested-gemm-s18.json). Predicted batch-1 fast step:
-# ~-125 us; the engine step has not been timed with it (ci/gpu/README.md, Next).
+# one row gains nothing from fp8 (18.4 us either way, h200-nested-gemm-s18.json). Timed in session 20 against 1,
+# side by side: batch-1 fast step 2.973 -> 2.860 ms (h200-llama8b-decode-s20-call2-*.json). From two rows fp8 wins:
+# weight-only there made the step slower (3.107 -> 3.435 ms at batch 2 with o_proj's rows, s20-call3-*.json).
 FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
 
 

@@ -30,6 +30,7 @@ from elastiserve.kernels.fp8_activations import (
     quantize_row,
     quantizes_in_one_pass,
     row_warps,
+    scale_of,
     to_fp8_range,
 )
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
@@ -102,16 +103,15 @@ def _silu_mul_chunk_max_kernel(out_ptr, chunk_max_ptr, gate_up_ptr, stride_row, 
 
 @triton.jit
 def _silu_mul_quantize_chunk_kernel(q_ptr, scale_ptr, x_ptr, chunk_max_ptr, inter, FP8_MAX: tl.constexpr,
-                           MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
-                           CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
-    """The second launch: the row's scale from its chunk maxima (max is exact, so it is quantize_row's scale), then
-    this chunk's codes; chunk 0 writes the scale."""
+                                    MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
+                                    CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
+    """The second launch: the row's scale from its chunk maxima, then this chunk's codes; chunk 0 writes the scale."""
     wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     slots = tl.arange(0, CHUNKS)
     maxima = tl.load(chunk_max_ptr + row * tl.num_programs(1) + slots, mask=slots < tl.num_programs(1), other=0.0)
-    scale = tl.div_rn(tl.maximum(tl.max(maxima, axis=0), 1e-8), FP8_MAX)
+    scale = scale_of(tl.max(maxima, axis=0), FP8_MAX)  # max is exact: quantize_row's scale
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     x = tl.load(x_ptr + row * inter + cols, mask=mask, other=0.0).to(tl.float32)
@@ -175,7 +175,7 @@ def _silu_and_mul_quant_triton(gate_up: torch.Tensor, fnuz: bool) -> tuple[torch
         grid = (num_rows, chunks)
         _silu_mul_chunk_max_kernel[grid](product, chunk_max, rows, rows.stride(0), inter, BLOCK=BLOCK, **pdl_options())
         _silu_mul_quantize_chunk_kernel[grid](q, scale, product, chunk_max, inter, **fp8_constants(fnuz), BLOCK=BLOCK,
-                                     CHUNKS=triton.next_power_of_2(chunks), **pdl_options())
+                                              CHUNKS=triton.next_power_of_2(chunks), **pdl_options())
     elif num_rows:
         block = triton.next_power_of_2(max(inter, 16))
         _silu_and_mul_quant_kernel[(num_rows,)](q, scale, rows, rows.stride(0), inter, **fp8_constants(fnuz),
