@@ -22,14 +22,24 @@ TILE_ELEMENTS = 1024  # heads * half-dim per program: 16 heads of dim 128, so 3 
 
 
 @triton.jit
+def _table_rows(cos_ptr, sin_ptr, position, stride_table, half_dim, BLOCK_HALF: tl.constexpr):
+    """The cos and sin rows of ``position``, each [1, BLOCK_HALF] fp32."""
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + position * stride_table + dims, mask=dims < half_dim, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_table + dims, mask=dims < half_dim, other=0.0)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,  # [T, H, D], last dim contiguous
-    out_ptr,  # [T, H, D] contiguous
+    out_row_ptr,  # this token's [H, D] output rows, last dim contiguous
     token,
     first_head,
     num_heads,
     stride_t,
     stride_h,
+    stride_out_h,
     cos,  # [1, BLOCK_HALF] fp32
     sin,
     half_dim,
@@ -43,7 +53,7 @@ def _rotate_heads(
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half_dim, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    dst = out_ptr + (token * num_heads + heads) * (2 * half_dim) + dims
+    dst = out_row_ptr + heads * stride_out_h + dims
     tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=mask)
     tl.store(dst + half_dim, (b * cos + a * sin).to(x1.dtype), mask=mask)
 
@@ -73,16 +83,15 @@ def _rotary_kernel(
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    head_dim = 2 * half_dim
     position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cos_ptr + position * stride_table + dims, mask=dims < half_dim, other=0.0)
-    sin = tl.load(sin_ptr + position * stride_table + dims, mask=dims < half_dim, other=0.0)
+    cos, sin = _table_rows(cos_ptr, sin_ptr, position, stride_table, half_dim, BLOCK_HALF)
     if head_block < q_blocks:
-        _rotate_heads(q_ptr, q_out_ptr, token, head_block * BLOCK_H, num_q_heads, stride_qt, stride_qh,
-                      cos, sin, half_dim, BLOCK_H, BLOCK_HALF)  # fmt: skip
+        _rotate_heads(q_ptr, q_out_ptr + token * num_q_heads * head_dim, token, head_block * BLOCK_H, num_q_heads,
+                      stride_qt, stride_qh, head_dim, cos, sin, half_dim, BLOCK_H, BLOCK_HALF)  # fmt: skip
     else:
-        _rotate_heads(k_ptr, k_out_ptr, token, (head_block - q_blocks) * BLOCK_H, num_k_heads, stride_kt, stride_kh,
-                      cos, sin, half_dim, BLOCK_H, BLOCK_HALF)  # fmt: skip
+        _rotate_heads(k_ptr, k_out_ptr + token * num_k_heads * head_dim, token, (head_block - q_blocks) * BLOCK_H,
+                      num_k_heads, stride_kt, stride_kh, head_dim, cos, sin, half_dim, BLOCK_H, BLOCK_HALF)  # fmt: skip
 
 
 def _rotary_triton(positions, q, k, cos_table, sin_table) -> tuple[torch.Tensor, torch.Tensor]:
