@@ -44,7 +44,7 @@ FAMILIES = (
     ("norm (plain or quantizing)", r"rms_norm"),
     ("SiLU-and-mul (plain or quantizing)", r"silu"),
     ("quantizer (o_proj's input)", r"quantize"),
-    ("rotary", r"rotary"),
+    ("rotary (with the KV write: rotary_kv_write)", r"rotary"),
     ("attention", r"attention|reduce_splits"),
     ("KV write", r"kv_write"),
     ("merge planes (full mode, many rows)", r"merge_planes"),

@@ -1,13 +1,16 @@
 """DenseAttentionContext: causal attention per sequence without paging or a KV cache, for model tests.
 
 Tokens of several sequences are concatenated along T; ``seq_lens`` says how many belong to each, and every
-sequence starts at position 0 (a pure prefill). The model calls ``attend(layer_idx, q, k, v)`` per layer.
+sequence starts at position 0 (a pure prefill). The model calls ``attend_rotary(layer_idx, positions, q, k, v,
+rotary)`` per layer, which rotates q and k and calls ``attend(layer_idx, q, k, v)``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from elastiserve.engine.models import RotaryEmbedding
 
 
 class DenseAttentionContext:
@@ -16,6 +19,11 @@ class DenseAttentionContext:
 
     def valid_tokens(self) -> None:  # never padded
         return None
+
+    def attend_rotary(self, layer_idx: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:  # fmt: skip
+        q, k = rotary(positions, q, k)
+        return self.attend(layer_idx, q, k, v)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if sum(self.seq_lens) != q.shape[0]:

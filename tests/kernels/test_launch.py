@@ -49,6 +49,13 @@ types.update({"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"})
 const = {"HAS_RESIDUAL": True, "QUANT": True, "FP8_MAX": 448.0, "MIN_NORMAL": 2.0 ** -6, "ROUND_IN_SOFTWARE": False,
          "BLOCK": 4096, "PDL": True}
 out["rms_norm_quant_pdl"] = order(report.compile_kernel(fn, types, const, 16, 1, 90).asm["ptx"])
+from elastiserve.kernels import rotary
+fn = rotary._rotary_kv_write_kernel
+types = {n: "i32" for n in fn.arg_names}
+types.update({n: "*fp16" for n in ("q_out_ptr", "kv_ptr", "q_ptr", "k_ptr", "v_ptr")})
+types.update({"positions_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
+const = {"BLOCK_SIZE": 16, "BLOCK_HQ": 16, "BLOCK_HKV": 8, "BLOCK_HALF": 64, "PDL": True}
+out["rotary_kv_write_pdl"] = order(report.compile_kernel(fn, types, const, 4, 1, 90).asm["ptx"])
 print(json.dumps(out))
 """
 
@@ -59,7 +66,7 @@ def test_pdl_kernels_wait_before_touching_memory():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
-    for name in ("skinny_full_pdl", "skinny_weight_only_pdl", "rms_norm_quant_pdl"):
+    for name in ("skinny_full_pdl", "skinny_weight_only_pdl", "rms_norm_quant_pdl", "rotary_kv_write_pdl"):
         at = found[name]
         assert 0 <= at["wait"] < at["memory"] and at["launch"] > at["wait"], (name, at)
     assert found["skinny_full"]["wait"] == found["skinny_full"]["launch"] == -1

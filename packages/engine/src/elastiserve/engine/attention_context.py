@@ -1,32 +1,41 @@
 """The paged ``AttentionContext`` the model calls once per layer, and the seam to ``elastiserve.kernels``' ops.
 
 Each step the runner fills one ``AttentionMetadata`` (views into preallocated buffers, so captured CUDA graphs see
-the same storage); ``attend`` writes the step's K/V into the cache (``kv_write``) and runs ``paged_attention`` over
-the whole context with the step's pair metadata. On the CPU the kernels' pure-torch references run directly.
+the same storage); ``attend_rotary`` rotates q and k and writes the rotated K and V into the cache in one launch
+(``rotary_kv_write``), then runs ``paged_attention`` over the whole context with the step's pair metadata. On the CPU
+the kernels' pure-torch references run directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from elastiserve.engine.models.layers import RotaryEmbedding
+
 
 def kernel_ops(device: torch.device) -> SimpleNamespace:
-    """kv_write / paged_attention / kv_demote / kv_promote: the registered ops on a GPU, references on the CPU."""
-    from elastiserve.kernels import attention, kv_ops
+    """rotary_kv_write / paged_attention / kv_demote / kv_promote: the registered ops on a GPU, references on the
+    CPU."""
+    from elastiserve.kernels import attention, kv_ops, rotary
 
     if device.type == "cpu":
         return SimpleNamespace(
-            kv_write=kv_ops.kv_write_ref,
+            rotary_kv_write=rotary.rotary_kv_write_ref,
             paged_attention=attention.paged_attention_ref,
             kv_demote=kv_ops.kv_demote_ref,
             kv_promote=kv_ops.kv_promote_ref,
         )
     ops = torch.ops.elastiserve
     return SimpleNamespace(
-        kv_write=ops.kv_write, paged_attention=ops.paged_attention, kv_demote=ops.kv_demote, kv_promote=ops.kv_promote
+        rotary_kv_write=ops.rotary_kv_write,
+        paged_attention=ops.paged_attention,
+        kv_demote=ops.kv_demote,
+        kv_promote=ops.kv_promote,
     )
 
 
@@ -55,11 +64,21 @@ class PagedAttentionContext:
         meta = self.metadata
         return meta.query_start_loc[-1:] if meta is not None and meta.padded else None
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend_rotary(
+        self,
+        layer_idx: int,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
         meta = self.metadata
-        self.ops.kv_write(self.kv_cache, layer_idx, k, v, meta.slot_mapping)
+        # One launch rotates q and k and caches the rotated k with v; q comes back contiguous, as attention reads it.
+        q = self.ops.rotary_kv_write(positions, q, k, v, rotary.cos_table, rotary.sin_table, self.kv_cache, layer_idx,
+                                     meta.slot_mapping)  # fmt: skip
         return self.ops.paged_attention(
-            q.contiguous(),
+            q,
             self.kv_cache,
             layer_idx,
             meta.block_tables,

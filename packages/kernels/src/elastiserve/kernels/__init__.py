@@ -20,7 +20,7 @@ from elastiserve.kernels.formats import Nesting, bf16_to_fp16_checked, choose_ne
 from elastiserve.kernels.kv_ops import KVLayoutError, kv_demote, kv_promote, kv_write
 from elastiserve.kernels.nested_linear import NestedLinear, NestingReport, nest_model, set_mode
 from elastiserve.kernels.rms_norm import ElementwiseShapeError, fused_add_rms_norm, rms_norm
-from elastiserve.kernels.rotary import rotary_embedding
+from elastiserve.kernels.rotary import rotary_embedding, rotary_kv_write
 from elastiserve.kernels.silu_mul import silu_and_mul
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "plan_attention",
     "rms_norm",
     "rotary_embedding",
+    "rotary_kv_write",
     "set_mode",
     "silu_and_mul",
 ]

@@ -135,6 +135,11 @@ class QualityContext:
     def valid_tokens(self) -> None:  # one unpadded sequence
         return None
 
+    def attend_rotary(self, layer_idx: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, rotary: Any) -> torch.Tensor:  # fmt: skip
+        q, k = rotary(positions, q, k)
+        return self.attend(layer_idx, q, k, v)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         if self.kv == "fp8":

@@ -2,7 +2,8 @@
 
 The elementwise work (norms, residual adds, rotary, SiLU-and-mul) runs as fused ``elastiserve::`` ops on a GPU, one
 kernel each where the unfused torch code launched 42 per layer; on the CPU their pure-torch references run, which
-compute exactly what the unfused code did.
+compute exactly what the unfused code did. The rotary is the attention context's to apply
+(``AttentionContext.attend_rotary``): the paged context fuses it with the KV-cache write.
 
 In fast mode the norms before qkv and gate_up and the SiLU-and-mul before down quantize their output for the fp8
 GEMM that follows (``Fp8Rows``) when that layer says it runs fp8 at this row count (``NestedLinear.takes_fp8_rows``):
@@ -68,11 +69,21 @@ def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:
 class AttentionContext(Protocol):
     """What a model needs from the runner: attention over this step's tokens plus whatever KV is cached.
 
-    ``attend`` gets rotated q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D] and returns [T, Hq, D]; the softmax scale is
-    ``D ** -0.5`` for every supported model.
+    ``attend_rotary`` gets q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D] before the rotary embedding (views of the qkv
+    output are fine), the tokens' positions[T] and the model's ``RotaryEmbedding``; it rotates q and k (the paged
+    context in the same launch that caches k and v) and returns [T, Hq, D]. The softmax scale is ``D ** -0.5`` for
+    every supported model.
     """
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend_rotary(
+        self,
+        layer_idx: int,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor: ...
 
     def valid_tokens(self) -> torch.Tensor | None:
         """[1] int tensor: how many leading rows are real tokens, when the step is padded (a CUDA graph's
@@ -173,8 +184,7 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = ctx.attend(self.layer_idx, q, k, v)
+        out = ctx.attend_rotary(self.layer_idx, positions, q, k, v, rotary)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
