@@ -45,7 +45,7 @@ FAMILIES = (
     ("SiLU-and-mul (plain or quantizing)", r"silu"),
     ("quantizer (o_proj's input)", r"quantize"),
     ("rotary (with the KV write: rotary_kv_write)", r"rotary"),
-    ("attention", r"attention|reduce_splits"),
+    ("attention", r"attention"),
     ("KV write", r"kv_write"),
     ("merge planes (full mode, many rows)", r"merge_planes"),
     ("vendor GEMM (lm_head, fp16 layers)", r"gemm|cutlass|cublas|nvjet|matmul|addmm|linear|\bmm\b"),

@@ -6,6 +6,11 @@ larger than the 60 MB L2): SDPA on contiguous KV, the native path, all-BASE, str
 (bytes read + written). Prints a table and writes JSON with the device and versions.
 
     python benchmarks/kernels/bench_attention.py --out attention.json
+    python benchmarks/kernels/bench_attention.py --batch 1 --context 512 --table-tokens 8192 --out short.json
+
+``--table-tokens``: block tables (and so the op's KV split count) sized for that many tokens, as in a decode graph
+captured for the longest context, while the sequences hold ``--context``: batch-1 decode at 512 tokens in a graph
+for 8,192 runs 16 splits of which 8 hold pairs (the split merge's case).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class DecodeShape:
     block_size: int = 16
     layers: int = 4  # rotation depth: each layer's KV is read once per graph replay
     base_fraction: float = 0.15
+    table_tokens: int = 0  # block-table width in tokens (0: the context)
 
 
 @dataclass
@@ -78,9 +84,10 @@ def graph_time_us(fn_per_layer, layers: int, replays: int = 20, trials: int = 7)
 
 def build_tables(shape: DecodeShape, device):
     blocks_per_seq = shape.context // shape.block_size
-    num_blocks = shape.batch * blocks_per_seq
+    table_blocks = max(shape.table_tokens, shape.context) // shape.block_size
+    num_blocks = shape.batch * table_blocks
     gen = torch.Generator().manual_seed(0)
-    physical = torch.randperm(num_blocks, generator=gen).view(shape.batch, blocks_per_seq).int()
+    physical = torch.randperm(num_blocks, generator=gen).view(shape.batch, table_blocks).int()
     native = physical.clone()
     all_base = physical.clone()
     all_base[:, 1::2] = all_base[:, 0::2]
@@ -192,10 +199,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--num-splits", type=int, default=0, help="0 = the op's own choice")
+    parser.add_argument("--table-tokens", type=int, default=0, help="block-table width in tokens (0: --context)")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch settings")
     args = parser.parse_args()
     device = torch.device("cuda")
-    shape = DecodeShape(batch=args.batch, context=args.context)
+    shape = DecodeShape(batch=args.batch, context=args.context, table_tokens=args.table_tokens)
     rows = bench_decode(shape, device, args.num_splits) + bench_demote(shape, device)
     print_table(rows)
     by_case = {r.case: r.us for r in rows}

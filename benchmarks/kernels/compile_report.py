@@ -5,7 +5,9 @@ GEMM decode (PTX).
 
     python benchmarks/kernels/compile_report.py --out report.json          # sm90 (H100/H200)
 
-Uses Triton's own ptxas. Argument divisibility is declared as the JIT would for 16-aligned tensors and strides.
+Uses Triton's own ptxas. Argument divisibility is declared as the JIT would for 16-aligned tensors and strides; the
+attention rows come twice, the second time with head_dim (and the head strides) divisible by 16 too, as the JIT
+specializes head_dim 128.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ DECODE_OPS = ("add", "sub", "shr", "shl", "and", "or", "xor", "prmt", "cvt", "lo
 
 
 def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, arch: int,
-                   maxnreg: int | None = None):
+                   maxnreg: int | None = None, aligned_ints: tuple[str, ...] = ALIGNED_INTS):
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in fn.arg_names}
-    aligned = [n for n in fn.arg_names if n not in constexprs and (types[n].startswith("*") or n in ALIGNED_INTS)]
+    aligned = [n for n in fn.arg_names if n not in constexprs and (types[n].startswith("*") or n in aligned_ints)]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
@@ -169,27 +171,46 @@ def grouped_report(arch: int) -> list[dict]:
     return rows
 
 
-def attention_report(arch: int) -> list[dict]:
+# The attention rows: (path, BASE pairs per tile, KV splits, merge in the launch). Split decode (partials) merges in
+# its last program on every path but PATH 3, the first launch of the split structured path; 0 splits is the one-pass
+# kernel (prefill, and decode that fills the GPU without splits).
+ATTENTION_ROWS = ((0, 4, 0, False), (0, 4, 4, True), (0, 4, 16, True), (1, 4, 4, True), (1, 2, 4, True),
+                  (2, 4, 4, True), (3, 4, 4, False), (4, 4, 4, True), (4, 2, 4, True), (4, 2, 16, True))
+# The JIT specializes an int argument divisible by 16 as such: head_dim 128 and the q / out head strides (128) too,
+# which makes the dims mask constant over 16 lanes, so loads vectorize and the loops get async copies.
+HEAD_DIM_ALIGNED = ("head_dim", "stride_qh", "stride_oh")
+
+
+def compile_attention(path: int, base_pairs: int, splits: int, merge: bool, arch: int, head_dim_aligned: bool = True):
+    """``paged_attention_kernel`` for decode at Llama-8B's GQA (16-row tiles of 4 queries x 4 q heads, 4 rows kept
+    per partial), head dim 128, block size 16; ``splits`` 0 is the one-pass kernel."""
     fn = attention_kernels.paged_attention_kernel
     types = {n: "i32" for n in fn.arg_names}
     types.update({"q_ptr": "*fp16", "out_ptr": "*fp16", "kv_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
                   "qsl_ptr": "*i32", "bounds_ptr": "*i32", "pm_ptr": "*u8", "part_acc_ptr": "*fp32",
-                  "part_ml_ptr": "*fp32", "qk_scale": "fp32"})
+                  "part_ml_ptr": "*fp32", "counters_ptr": "*i32", "qk_scale": "fp32"})
+    const = {"BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 4, "BLOCK_D": 128,
+             "PAIRS": attention.TARGET_PAIRS_PER_TILE, "BASE_PAIRS": base_pairs, "PATH": path,
+             "NUM_SPLITS": max(splits, 1), "INTERPRETED": False, "PARTIALS": splits > 0 or path >= 3,
+             "TOTAL_SPLITS": 2 * splits if path >= 3 else max(splits, 1), "SPLIT_BASE": splits if path == 4 else 0,
+             "SPLIT_ALIGN": attention.TARGET_PAIRS_PER_TILE if path == 0 else attention.BASE_PAIRS_PER_TILE,
+             "MERGE": merge, "MERGE_ROWS": 4}
+    aligned_ints = ALIGNED_INTS + (HEAD_DIM_ALIGNED if head_dim_aligned else ())
+    return compile_kernel(fn, types, const, attention.NUM_WARPS, attention.NUM_STAGES, arch, aligned_ints=aligned_ints)
+
+
+def attention_report(arch: int) -> list[dict]:
+    """Each row twice: head_dim unknown (any head size) and head_dim specialized like 128 (what an 8B model runs)."""
     rows = []
-    base = attention.BASE_PAIRS_PER_TILE
-    for path, base_pairs in ((0, base), (1, base), (1, 2), (2, base), (3, base), (4, base), (4, 2)):  # 3, 4: split
-        const = {"BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 4, "BLOCK_D": 128,
-                 "PAIRS": attention.TARGET_PAIRS_PER_TILE, "BASE_PAIRS": base_pairs, "PATH": path, "NUM_SPLITS": 4,
-                 "INTERPRETED": False, "PARTIALS": True, "TOTAL_SPLITS": 8 if path >= 3 else 4,
-                 "SPLIT_BASE": 4 if path == 4 else 0,
-                 "SPLIT_ALIGN": attention.TARGET_PAIRS_PER_TILE if path == 0 else attention.BASE_PAIRS_PER_TILE}
-        kernel = compile_kernel(fn, types, const, attention.NUM_WARPS, attention.NUM_STAGES, arch)
-        row = {"kernel": "paged_attention", "path": path, "base_pairs": base_pairs,
-               **facts(kernel, arch, 32 * attention.NUM_WARPS)}
+    for (path, base_pairs, splits, merge), head_dim_aligned in itertools.product(ATTENTION_ROWS, (False, True)):
+        kernel = compile_attention(path, base_pairs, splits, merge, arch, head_dim_aligned)
+        row = {"kernel": "paged_attention", "path": path, "base_pairs": base_pairs, "splits": splits, "merge": merge,
+               "head_dim_aligned": head_dim_aligned, **facts(kernel, arch, 32 * attention.NUM_WARPS)}
         rows.append(row)
-        print(f"attention path {path} base_pairs {base_pairs}: regs {row['registers']:3d} "
-              f"({row['ctas_per_sm_by_registers']} CTAs/SM)  smem {row['shared_bytes']:6d}  "
-              f"async copies {row['async_copies']}", flush=True)
+        print(f"attention path {path} base_pairs {base_pairs} splits {splits:2d}{' merge' if merge else '      '}"
+              f"{' head_dim%16' if head_dim_aligned else '            '}: regs {row['registers']:3d} "
+              f"({row['ctas_per_sm_by_registers']} CTAs/SM)  spills {row['spill_store_bytes']:3d}  "
+              f"smem {row['shared_bytes']:6d}  async copies {row['async_copies']}", flush=True)
     return rows
 
 

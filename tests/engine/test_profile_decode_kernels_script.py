@@ -54,6 +54,6 @@ def test_kernel_names_fall_into_families():
     for name in ("_silu_and_mul_quant_kernel", "_silu_mul_chunk_max_kernel", "_silu_mul_quantize_chunk_kernel"):
         assert script.family(name) == "SiLU-and-mul (plain or quantizing)", name
     assert script.family("_quantize_per_token_kernel") == "quantizer (o_proj's input)"
-    assert script.family("paged_attention_kernel") == script.family("reduce_splits_kernel") == "attention"
+    assert script.family("paged_attention_kernel") == "attention"
     assert script.family("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN") == "vendor GEMM (lm_head, fp16 layers)"
     assert script.family("something_else") == "other"

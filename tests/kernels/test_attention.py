@@ -3,16 +3,24 @@ K/V of BASE pairs are the E5M2 (rna high byte) values exactly; and the Triton ke
 path (native, structured, general), for decode (with and without KV splits), extend and full prefill, GQA with an
 odd group, odd head dims, odd tail blocks (a last pair of one block, a BASE pair whose B block is partly filled),
 block sizes 16 and 32, and a structured BASE range whose edges fall inside a KV tile or a KV split. Also pins the
-host planner's path choice and buffers, opcheck and torch.compile(fullgraph=True)."""
+host planner's path choice and buffers, opcheck and torch.compile(fullgraph=True); split decode merges in the
+attention launch (its counters left at zero, its sm90 PTX ordered as attention_merge.py's proof needs)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from attention_cases import LAYER, build_batch, dense_sdpa, metadata, run_attention
 
-from elastiserve.kernels.attention import paged_attention
+from elastiserve.kernels import attention
+from elastiserve.kernels.attention import paged_attention, split_counters
 from elastiserve.kernels.attention_plan import (
     GENERAL,
     NATIVE,
@@ -78,16 +86,48 @@ def test_decode_kv_splits_equal_reference(device, path, num_splits):
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("path", [NATIVE, STRUCTURED, STRUCTURED_SPLIT])
+@pytest.mark.parametrize("path", [NATIVE, STRUCTURED, GENERAL, STRUCTURED_SPLIT])
 def test_more_splits_than_pairs_merge_only_the_filled_ones(device, path):
-    # 16 splits over 1-10 pairs: trailing ranges are empty and the reduction reads only the filled ones (native:
-    # ranges of 2 pairs, so 300 tokens fill 5; the BASE-capable paths align to 4). A 1-token sequence fills one.
+    # 16 splits over 1-10 pairs: trailing ranges are empty and the merge (the last program of each sequence and kv
+    # head, in the attention launch) reads only the filled ones (native: ranges of 2 pairs, so 300 tokens fill 5;
+    # the BASE-capable paths align to 4). A 1-token sequence fills one. Path 3 merges both launches' partials.
     pair_base = [[], [], [], []] if path == NATIVE else [[3, 4, 5, 6], [], [2], []]
     batch = build_batch(device, [300, 17, 250, 1], [1, 1, 1, 1], pair_base, group=4, head_dim=32)
     _, bounds, modes = metadata(batch, device, path)
     expected = run_attention(batch, path, bounds, modes, ref=True)
     got = run_attention(batch, path, bounds, modes, num_splits=16)
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("path", [NATIVE, STRUCTURED_SPLIT])
+def test_merge_leaves_its_counters_at_zero_for_the_next_call(device, path):
+    """The merging program resets its (sequence, kv head) arrival counter: after a split decode call every counter
+    is zero, and a second call (the next layer) and a larger batch (other counters) still merge right."""
+    pair_base = [[], [], [], []] if path == NATIVE else [[3, 4, 5, 6], [], [2], []]
+    batch = build_batch(device, [300, 17, 250, 1], [1, 1, 1, 1], pair_base, group=4, head_dim=32)
+    _, bounds, modes = metadata(batch, device, path)
+    expected = run_attention(batch, path, bounds, modes, ref=True)
+    for _layer in range(2):
+        torch.testing.assert_close(run_attention(batch, path, bounds, modes, num_splits=16), expected,
+                                   atol=4e-3, rtol=1e-2)
+        assert not split_counters(batch.q.device, 0).any()
+    wider = build_batch(device, [40, 300, 17, 250, 1, 90], [1] * 6, [[], *pair_base, [] if path == NATIVE else [1]],
+                        group=4, head_dim=32, seed=3)
+    _, bounds, modes = metadata(wider, device, path)
+    torch.testing.assert_close(run_attention(wider, path, bounds, modes, num_splits=5),
+                               run_attention(wider, path, bounds, modes, ref=True), atol=4e-3, rtol=1e-2)
+    assert not split_counters(batch.q.device, 0).any()
+
+
+def test_split_counters_grow_without_freeing_the_outgrown_buffer(device):
+    """A captured graph keeps the address of the buffer it launched with: growing returns a new zeroed buffer and
+    keeps the old one alive."""
+    small = split_counters(device, 4)
+    assert split_counters(device, small.numel()) is small
+    grown = split_counters(device, small.numel() + 1)
+    assert grown.numel() > small.numel() and not grown.any()
+    assert any(kept is small for kept in attention._outgrown_split_counters)
+    assert split_counters(device, 1) is grown
 
 
 @pytest.mark.parametrize("name", ["structured", "all_base", "all_target", "prefill"])
@@ -163,3 +203,33 @@ def test_padding_of_a_mixed_graph_leaves_real_rows_unchanged(device, name, path)
     got = paged_attention(q, batch.cache, LAYER, tables, torch.cat([batch.seq_lens, zeros]), qsl,
                           scale=0.37, max_query_len=padded_tokens, path=path, **extra)
     torch.testing.assert_close(got[:real_tokens], expected, atol=4e-3, rtol=1e-2)
+
+
+COMPILE_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "compile_report.py"
+_MERGE_PTX = """
+import importlib.util, json, re, sys
+spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+ptx = report.compile_attention(0, 4, 16, True, 90).asm["ptx"]
+body = ptx[ptx.index(".entry"):]
+at = lambda pattern: [m.start() for m in re.finditer(pattern, body)]
+print(json.dumps({"atomics": at(r"atom\\."), "acq_rel": at(r"atom\\.global\\.gpu\\.acq_rel\\.add"),
+                  "barriers": at(r"bar\\.sync"), "stores": at(r"st\\.global"), "loads": at(r"ld\\.global")}))
+"""
+
+
+def test_merge_ptx_orders_partials_barrier_atomic_barrier_merge():
+    """Compiled for sm90 (on the CPU): one acq_rel atomic at gpu scope, a CTA barrier between the partial stores and
+    it, and one between it and the merge's loads (the result reaches every thread through shared memory)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _MERGE_PTX, str(COMPILE_REPORT)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["atomics"] == found["acq_rel"] and len(found["acq_rel"]) == 1
+    atomic = found["acq_rel"][0]
+    last_store = max(at for at in found["stores"] if at < atomic)
+    first_load = min(at for at in found["loads"] if at > atomic)
+    assert any(last_store < at < atomic for at in found["barriers"])
+    assert any(atomic < at < first_load for at in found["barriers"])

@@ -4,7 +4,9 @@ Sequence ``b`` has ``seq_lens[b]`` KV tokens; its queries are the last ``q_len =
 query ``j`` sees KV positions ``<= seq_len - q_len + j``. That covers prefill, chunked prefill and decode in one op.
 ``path`` (chosen per batch by :func:`elastiserve.kernels.attention_plan.plan_attention`) says how pairs are read:
 0 native (all TARGET), 1 structured (``base_bounds[b] = [first, end)`` BASE pairs), 2 general (``pair_mode``),
-3 structured in two launches (same inputs as 1; not chosen by the planner until the H200 has timed it).
+3 structured in two launches (same inputs as 1; the planner's choice for T*B*T* batches, attention_plan.py).
+Decode with KV splits merges the splits inside the attention launch (attention_merge.py): one launch on paths 0-2,
+two on path 3.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import torch
 import triton
 
-from elastiserve.kernels.attention_kernels import paged_attention_kernel, reduce_splits_kernel
+from elastiserve.kernels.attention_kernels import paged_attention_kernel
 from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, STRUCTURED_SPLIT
 from elastiserve.kernels.kv_ops import KVLayoutError, base_halves, check_kv_cache
 from elastiserve.kernels.launch import pdl_options
@@ -24,13 +26,43 @@ from elastiserve.platforms.env import triton_interpret
 LOG2_E = 1.4426950408889634
 TARGET_PAIRS_PER_TILE = 2  # 2 pairs = 4 blocks of fp16 K and V in flight per iteration
 BASE_PAIRS_PER_TILE = 4  # a BASE pair is one packed block: twice the pairs for the same bytes in flight
-# The BASE-only launch of path 3 reads 2 pairs per tile: compiled for sm90 that kernel holds 120 registers per thread
-# (4 CTAs per SM, like the native kernel's 126) where 4 pairs take 200 (2 CTAs per SM); sm90-compile-report.log.
+# The BASE-only launch of path 3 reads 2 pairs per tile: compiled for sm90 that kernel holds 96 registers per thread
+# (5 CTAs per SM; the native kernel 114) where 4 pairs take 142 (3 CTAs per SM); sm90-compile-report.log, head_dim
+# specialized as the JIT does for 128 (unspecialized: 128 against 204).
 SPLIT_BASE_PAIRS_PER_TILE = 2
 MIN_PAIRS_PER_SPLIT = 8
 MAX_SPLITS = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
+MIN_SPLIT_COUNTERS = 8192  # int32 entries (32 KiB): batch 1,024 x 8 kv heads before the first growth
+
+# The arrival counters of the in-launch split merge, one int32 per (sequence, kv head): zero before and after every
+# launch (the merging program resets its own). One buffer per device, allocated eagerly and zeroed once; a captured
+# CUDA graph keeps its address and relies on it staying zero, so an outgrown buffer (32 KiB at first) is kept
+# alive, never freed. The engine warms every batch size up before capturing, so the buffer does not grow inside a
+# capture; if it has to, the call takes a temporary zeroed inside the capture instead (the graph replays that memset
+# before the kernel: correct, one memset node more; not cached, since outside replays its contents are undefined).
+# Launches that share a buffer must not overlap: attention calls on one device run in stream order (PDL included:
+# a grid's griddepcontrol.wait waits for the whole previous grid), never on two streams at once.
+_split_counters: dict[torch.device, torch.Tensor] = {}
+_outgrown_split_counters: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, entries: int) -> torch.Tensor:
+    """int32 zeros of at least ``entries`` on ``device`` for ``paged_attention_kernel``'s ``counters_ptr``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counters = _split_counters.get(device)
+    if counters is not None and counters.numel() >= entries:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(entries, dtype=torch.int32, device=device)
+    if counters is not None:
+        _outgrown_split_counters.append(counters)
+    counters = torch.zeros(max(MIN_SPLIT_COUNTERS, triton.next_power_of_2(entries)), dtype=torch.int32, device=device)
+    _split_counters[device] = counters
+    return counters
 
 
 def choose_block_m(group_size: int, max_query_len: int) -> int:
@@ -90,6 +122,7 @@ def _paged_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     if path == STRUCTURED_SPLIT and num_q_blocks > 1:
         path = STRUCTURED  # the split launch merges flash-decoding partials, which only decode tiles have
+    # (kernel path, first partial slot, BASE pairs per tile); the last launch's last programs merge the partials.
     launches = [(3, 0, BASE_PAIRS_PER_TILE), (4, num_splits, SPLIT_BASE_PAIRS_PER_TILE)] if path == STRUCTURED_SPLIT \
         else [(path, 0, BASE_PAIRS_PER_TILE)]
     total_splits = num_splits * len(launches)
@@ -97,12 +130,16 @@ def _paged_attention_triton(
     layer_view = kv_cache[:, layer]  # [N, 2, H, BS, D]; data_ptr includes the layer offset
     bounds = base_bounds if path in (STRUCTURED, STRUCTURED_SPLIT) else seq_lens
     modes = pair_mode if path == GENERAL else block_tables
+    # Rows a partial keeps for the merge: every query row of a decode tile (max_query_len <= block_q there), 4 of
+    # the 16 rows at Llama-8B's GQA group of 4.
+    merge_rows = min(block_m, triton.next_power_of_2(max(1, max_query_len) * group_size))
     if partials:
         splits_shape = (batch, num_kv_heads, total_splits)
-        part_acc = torch.empty((*splits_shape, block_m, block_d), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((*splits_shape, 2, block_m), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((*splits_shape, merge_rows, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((*splits_shape, 2, merge_rows), dtype=torch.float32, device=q.device)
+        counters = split_counters(q.device, batch * num_kv_heads)
     else:
-        part_acc = part_ml = out  # never touched
+        part_acc = part_ml = counters = out  # never touched
     grid = (batch, num_kv_heads, num_splits if partials else num_q_blocks)
     # Split ranges align to the tile the path reads: a BASE tile (BASE_PAIRS_PER_TILE) wherever BASE can occur, the
     # native path's own 2-pair tile otherwise, so a short context spreads over twice the programs.
@@ -111,7 +148,7 @@ def _paged_attention_triton(
         paged_attention_kernel[grid](
             q, out, layer_view,
             block_tables, seq_lens, query_start_loc, bounds, modes,
-            part_acc, part_ml,
+            part_acc, part_ml, counters,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             layer_view.stride(0), layer_view.stride(1), layer_view.stride(2), layer_view.stride(3),
             block_tables.stride(0), modes.stride(0),
@@ -119,14 +156,8 @@ def _paged_attention_triton(
             BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d,
             PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=base_pairs, PATH=kernel_path, NUM_SPLITS=num_splits,
             INTERPRETED=triton_interpret(), PARTIALS=partials, TOTAL_SPLITS=total_splits, SPLIT_BASE=split_base,
-            SPLIT_ALIGN=split_align, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options()
-        )  # fmt: skip
-    if partials:
-        reduce_splits_kernel[(batch, num_kv_heads)](
-            out, query_start_loc, seq_lens, part_acc, part_ml, out.stride(0), out.stride(1), group_size, head_dim,
-            BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, NUM_SPLITS=total_splits,
-            SPLIT_ALIGN=0 if len(launches) > 1 else split_align, INTERPRETED=triton_interpret(), num_warps=4,
-            **pdl_options(),
+            SPLIT_ALIGN=split_align, MERGE=partials and kernel_path != 3, MERGE_ROWS=merge_rows,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options()
         )  # fmt: skip
     return out
 

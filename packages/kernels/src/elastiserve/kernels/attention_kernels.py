@@ -9,11 +9,14 @@ group) pairs, ``BLOCK_M`` of them padded to at least 16 for ``tl.dot``. KV is wa
 - MODE 2 (general): per-row pair mode; B rows of BASE pairs are masked off (no load issued) and both halves are
   decoded from the A tile with ``tl.where``.
 
-PATH 3 and 4 are the two launches of the split structured path (``attention.STRUCTURED_SPLIT``): the TARGET ranges
-and the BASE run, each writing flash-decoding partials that one reduction merges. The one-launch structured kernel
-carries both loops and compiles to 200 registers per thread (2 CTAs per SM) against the native kernel's 126
-(benchmarks/kernels/results/sm90-compile-report.log); none of these loops is software-pipelined, so resident CTAs are
-what keeps loads in flight.
+Decode with KV splits (flash-decoding) writes per-split partials; the last program of each (sequence, kv head) to
+finish merges them in the same launch (attention_merge.py). PATH 3 and 4 are the two launches of the split
+structured path (``attention.STRUCTURED_SPLIT``): the TARGET ranges, then the BASE run, whose last program merges
+the partials of both launches. The one-launch structured kernel
+carries both loops and compiles to 189 registers per thread (2 CTAs per SM) against the native kernel's 114
+(benchmarks/kernels/results/sm90-compile-report.log, head_dim specialized as a multiple of 16 as the JIT does for
+128; unspecialized, 203 against 158-209, and no loop gets async copies), so resident CTAs are what keeps loads in
+flight.
 
 Measured on the H200 (decode, batch 64 x 4096 tokens, 32 q / 8 kv heads, dim 128, graph replay): native 244 us
 against SDPA's 238 us on contiguous KV; all-BASE 215 us, so BASE is latency-bound, not byte-bound: its loads pass
@@ -29,9 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from elastiserve.kernels.attention_merge import NEG_BIG, last_to_arrive, merge_partials
 from elastiserve.kernels.launch import wait_for_prior_grid
-
-NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -176,7 +178,7 @@ def _pairs_per_split(num_pairs, NUM_SPLITS: tl.constexpr, SPLIT_ALIGN: tl.conste
 def paged_attention_kernel(
     q_ptr, out_ptr, kv_ptr,
     bt_ptr, seq_lens_ptr, qsl_ptr, bounds_ptr, pm_ptr,
-    part_acc_ptr, part_ml_ptr,
+    part_acc_ptr, part_ml_ptr, counters_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_block, stride_kv, stride_head, stride_tok,
     stride_bt, stride_pm,
@@ -184,8 +186,11 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     PAIRS: tl.constexpr, BASE_PAIRS: tl.constexpr, PATH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr, PARTIALS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, SPLIT_BASE: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT_ALIGN: tl.constexpr, MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """With PARTIALS each program writes its split's (acc, max, sum) to slot SPLIT_BASE + split of its (sequence,
+    kv head); with MERGE the last program of a (sequence, kv head) to finish (``counters_ptr``, attention_merge.py)
+    then merges the filled ones of its TOTAL_SPLITS slots into the output: decode in one launch."""
     wait_for_prior_grid(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -201,11 +206,8 @@ def paged_attention_kernel(
     if q_block * BLOCK_Q < q_len:
         rows = tl.arange(0, BLOCK_M)
         dims = tl.arange(0, BLOCK_D)
-        q_idx = q_block * BLOCK_Q + rows // group_size
-        head = kv_head * group_size + rows % group_size
-        row_ok = (rows < BLOCK_Q * group_size) & (q_idx < q_len)
+        q_idx, token, head, row_ok = _row_coords(rows, q_block, q_start, q_len, kv_head, group_size, BLOCK_Q)
         io_mask = row_ok[:, None] & (dims[None, :] < head_dim)
-        token = (q_start + q_idx).to(tl.int64)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask)
         qpos = seq_len - q_len + q_idx
 
@@ -222,6 +224,7 @@ def paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        used_base = 0  # filled BASE slots after the first NUM_SPLITS, for the merge (PATH 4 only)
         if PATH == 0:
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
@@ -264,79 +267,58 @@ def paged_attention_kernel(
             per_base = tl.cdiv(tl.cdiv(end_base - first_base, NUM_SPLITS), BASE_PAIRS) * BASE_PAIRS
             b_lo = tl.minimum(first_base + split * per_base, end_base)
             b_hi = tl.minimum(b_lo + per_base, end_base)
+            used_base = tl.cdiv(end_base - first_base, tl.maximum(per_base, 1))
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
                 seq_len, b_lo, b_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED,
             )  # fmt: skip
 
         if PARTIALS:
-            slot = (seq * tl.num_programs(1) + kv_head) * TOTAL_SPLITS + SPLIT_BASE + split
-            part = part_acc_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_D)
-            tl.store(part + rows[:, None] * BLOCK_D + dims[None, :], acc)
-            ml = part_ml_ptr + slot.to(tl.int64) * (2 * BLOCK_M)
-            tl.store(ml + rows, m_i)
-            tl.store(ml + BLOCK_M + rows, l_i)
+            # A partial keeps the first MERGE_ROWS rows, which hold every query row: 4 of 16 at Llama-8B's GQA group
+            # of 4. A bound known at compile time: masking by the runtime query rows (row_ok) took path 3's first
+            # launch from 128 to 162 registers (sm90, head_dim not specialized); this mask leaves it at 128.
+            first_slot = (seq * tl.num_programs(1) + kv_head) * TOTAL_SPLITS
+            kept = rows < MERGE_ROWS
+            part = part_acc_ptr + (first_slot + SPLIT_BASE + split).to(tl.int64) * (MERGE_ROWS * BLOCK_D)
+            tl.store(part + rows[:, None] * BLOCK_D + dims[None, :], acc, mask=kept[:, None])
+            ml = part_ml_ptr + (first_slot + SPLIT_BASE + split).to(tl.int64) * (2 * MERGE_ROWS)
+            tl.store(ml + rows, m_i, mask=kept)
+            tl.store(ml + MERGE_ROWS + rows, l_i, mask=kept)
+            if MERGE:
+                # Slots [0, NUM_SPLITS) hold ranges of this kernel's own split (PATH 3's launch and paths 0-2);
+                # only the first cdiv(num_pairs, per_split) hold pairs (a graph captured for 8,192 tokens keeps 16
+                # splits, a 512-token context fills 8 native ones). PATH 4 adds its BASE ranges after them.
+                used = tl.cdiv(num_pairs, tl.maximum(per_split, 1))
+                counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+                if last_to_arrive(counter, NUM_SPLITS):
+                    merge_rows = tl.arange(0, MERGE_ROWS)
+                    _, out_token, out_head, out_ok = _row_coords(merge_rows, 0, q_start, q_len, kv_head, group_size,
+                                                                 BLOCK_Q)
+                    merged, merged_sum = merge_partials(part_acc_ptr, part_ml_ptr, first_slot, used, used_base,
+                                                        merge_rows, out_ok, dims, NUM_SPLITS, TOTAL_SPLITS, BLOCK_D,
+                                                        MERGE_ROWS)
+                    _store_out(out_ptr, merged, merged_sum, out_token, out_head, dims,
+                               out_ok[:, None] & (dims[None, :] < head_dim), stride_ot, stride_oh)
+                    # Every program of this (sequence, kv head) has arrived, so no one else touches the counter in
+                    # this launch; the next launch reads it after this grid has finished (stream order, or PDL's
+                    # griddepcontrol.wait, which waits for the whole grid and its memory).
+                    tl.store(counter, 0)
         else:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+            _store_out(out_ptr, acc, l_i, token, head, dims, io_mask, stride_ot, stride_oh)
 
 
 @triton.jit
-def _merge_split(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, slot, rows, dims,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Fold partial ``slot`` (acc, max, sum) into the running (acc, m_i, l_i) of the merge: one pass, rescaling."""
-    ml = part_ml_ptr + slot.to(tl.int64) * (2 * BLOCK_M)
-    m_part = tl.load(ml + rows)
-    m_new = tl.maximum(m_i, m_part)
-    alpha, beta = tl.exp2(m_i - m_new), tl.exp2(m_part - m_new)
-    part = tl.load(part_acc_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_D) + rows[:, None] * BLOCK_D + dims[None, :])
-    return acc * alpha[:, None] + part * beta[:, None], m_new, l_i * alpha + tl.load(ml + BLOCK_M + rows) * beta
-
-
-@triton.jit
-def reduce_splits_kernel(
-    out_ptr, qsl_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr,
-    stride_ot, stride_oh, group_size, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_ALIGN: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Merge the partial (acc, max, sum) of one (sequence, kv head) into the output.
-
-    SPLIT_ALIGN > 0 (one attention launch of NUM_SPLITS ranges aligned to SPLIT_ALIGN pairs): only the ranges that
-    hold pairs of this sequence are read, so a graph captured for the longest context does not merge 16 empty splits
-    at a 512-token one (batch-1 decode on the H200, session 19: this kernel took 5.05 us a layer, the attention 6.85).
-    SPLIT_ALIGN = 0: every one of the NUM_SPLITS slots (the two launches of the split structured path)."""
-    wait_for_prior_grid(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    rows = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q_idx = rows // group_size
+def _row_coords(rows, q_block, q_start, q_len, kv_head, group_size, BLOCK_Q: tl.constexpr):
+    """Tile rows are (query of the tile, q head of the GQA group): query index, token, q head, and whether the row
+    is a real query."""
+    q_idx = q_block * BLOCK_Q + rows // group_size
     row_ok = (rows < BLOCK_Q * group_size) & (q_idx < q_len)
-    first = (seq * tl.num_programs(1) + kv_head) * NUM_SPLITS
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    used = NUM_SPLITS
-    if SPLIT_ALIGN > 0:
-        # A decode tile holds every query of its sequence, so the attention split seq_len's pairs (its kv_end).
-        num_pairs = tl.cdiv(tl.load(seq_lens_ptr + seq), 2 * BLOCK_SIZE)
-        used = tl.cdiv(num_pairs, tl.maximum(_pairs_per_split(num_pairs, NUM_SPLITS, SPLIT_ALIGN), 1))
-    if INTERPRETED:  # runtime range() bounds fail in the interpreter with numpy >= 2.4 (see _attend_pairs)
-        split = 0
-        while split < used:
-            acc, m_i, l_i = _merge_split(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, first + split, rows, dims,
-                                         BLOCK_M, BLOCK_D)
-            split += 1
-    else:
-        for split in range(0, used):
-            acc, m_i, l_i = _merge_split(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, first + split, rows, dims,
-                                         BLOCK_M, BLOCK_D)
+    return q_idx, (q_start + q_idx).to(tl.int64), kv_head * group_size + rows % group_size, row_ok
+
+
+@triton.jit
+def _store_out(out_ptr, acc, l_i, token, head, dims, io_mask, stride_ot, stride_oh):
+    """The output rows acc / sum (zero where no key was visible)."""
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    token = (q_start + q_idx).to(tl.int64)
-    head = kv_head * group_size + rows % group_size
     dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims[None, :] < head_dim))
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
