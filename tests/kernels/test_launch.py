@@ -29,7 +29,7 @@ def order(ptx):
     body = ptx[ptx.index(".entry"):]
     first = lambda pattern: min((m.start() for m in re.finditer(pattern, body)), default=-1)
     return {"wait": first(r"griddepcontrol\\.wait"), "launch": first(r"griddepcontrol\\.launch_dependents"),
-            "memory": first(r"\\b(ld|st)\\.global"), "store": first(r"\\bst\\.global")}
+            "memory": first(r"\\b(ld|st)\\.global")}
 
 out = {}
 fn = skinny_gemm._skinny_gemm_kernel
@@ -38,10 +38,9 @@ types.update({"x_ptr": "*fp16", "w_ptr": "*u8", "lower_ptr": "*u8", "bias_ptr": 
               "w_scale": "fp32"})
 base = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "NESTING": 1, "HAS_BIAS": True,
         "PARTIAL": False, "EVEN_K": True, "PTX_DECODE": False, "DEFER": True, "M_PAD": 1, "BLOCK_N": 16,
-        "BLOCK_K": 256, "PREFETCH": False}
-for name, mode, pdl, prefetch in (("skinny_full_pdl", 0, True, False), ("skinny_weight_only_pdl", 1, True, False),
-                                  ("skinny_full", 0, False, False), ("skinny_full_prefetch_pdl", 0, True, True)):
-    kernel = report.compile_kernel(fn, types, dict(base, MODE=mode, PDL=pdl, PREFETCH=prefetch), 4, 2, 90)
+        "BLOCK_K": 256}
+for name, mode, pdl in (("skinny_full_pdl", 0, True), ("skinny_weight_only_pdl", 1, True), ("skinny_full", 0, False)):
+    kernel = report.compile_kernel(fn, types, dict(base, MODE=mode, PDL=pdl), 4, 2, 90)
     out[name] = order(kernel.asm["ptx"])
 fn = rms_norm._rms_norm_kernel
 types = {n: "i32" for n in fn.arg_names}
@@ -72,7 +71,3 @@ def test_pdl_kernels_wait_before_touching_memory():
         assert 0 <= at["wait"] < at["memory"] and at["launch"] > at["wait"], (name, at)
     assert found["skinny_full"]["wait"] == found["skinny_full"]["launch"] == -1
     assert found["skinny_full"]["memory"] >= 0
-    # The double-buffered skinny loop requests its first weight tile before the wait (weights are never written by a
-    # step's kernels); everything it writes still comes after it.
-    at = found["skinny_full_prefetch_pdl"]
-    assert 0 <= at["memory"] < at["wait"] < at["launch"] and at["wait"] < at["store"], at
