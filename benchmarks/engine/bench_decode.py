@@ -412,9 +412,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split-quant-max-rows", type=int, default=None,
                    help="most rows the quantizing SiLU-and-mul splits over programs (silu_mul.SPLIT_QUANT_MAX_ROWS; "
                         "0: one program a row); default: the table's")
-    p.add_argument("--skinny-prefetch", type=int, choices=(0, 1), default=None,
-                   help="the skinny decode GEMM's double-buffered weight loads (configs.SKINNY_PREFETCH); "
-                        "default: the table's")
     args = p.parse_args(argv)
     args.batches = sorted(set(args.batches))
     if args.switch_steps < 4:
@@ -427,7 +424,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from elastiserve.kernels import configs, nested_gemm, silu_mul
+    from elastiserve.kernels import nested_gemm, silu_mul
     from elastiserve.platforms import current_platform
 
     args = parse_args(argv)
@@ -437,8 +434,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overrides = [(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, args.fp8_min_rows_quantized),
                  (nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, args.fp8_min_rows_quantized_long),
                  (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
-                 (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
-                 (configs.SKINNY_PREFETCH, None if args.skinny_prefetch is None else bool(args.skinny_prefetch))]
+                 (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows)]
     saved = [dict(table) for table, _ in overrides]
     for table, value in overrides:  # before any graph is captured: the routing is baked into them
         if value is not None:

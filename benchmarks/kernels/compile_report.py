@@ -100,7 +100,7 @@ def compile_skinny(mode: str, m_pad: int, config: configs.SkinnyConfig, arch: in
     const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": skinny_gemm.MODE_IDS[mode],
              "NESTING": 1, "HAS_BIAS": True, "PARTIAL": partial, "EVEN_K": even_k, "PTX_DECODE": config.ptx_decode,
              "DEFER": skinny_gemm.defers_reduction(config, m_pad), "M_PAD": m_pad, "BLOCK_N": config.block_n,
-             "BLOCK_K": config.block_k, "PREFETCH": config.prefetch}
+             "BLOCK_K": config.block_k}
     return compile_kernel(fn, types, const, config.num_warps, config.num_stages, arch)
 
 

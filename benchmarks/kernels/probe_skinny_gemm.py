@@ -34,7 +34,6 @@ from elastiserve.kernels.formats import Nesting
 from elastiserve.platforms import current_platform
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-LM_HEAD = (128256, 4096)  # plain fp16 in both modes: the batch-1 step's largest skinny call
 M_VALUES = (1, 2, 4, 8)
 MODES = ("plain", "full", "weight_only")
 SHORT = {"plain": "fp16", "full": "full", "weight_only": "w8"}
@@ -51,26 +50,24 @@ H200 = ("sm90", 132)  # (arch, SMs) the variant bound is checked for
 DEVICE = "cuda"  # the CPU smoke test swaps in "cpu" (and fake weights and timer) to run main's own logic
 
 
-def candidates(mode: str, m: int, n: int, k: int, num_sms: int, prefetch=(False,)) -> list[SkinnyConfig]:
-    """Each tile of the M's list, once per ``prefetch`` setting (register double-buffering of the weight tiles)."""
+def candidates(mode: str, m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
     tiles = TILES_M1 if m == 1 else TILES_MULTI
-    return [configs.with_skinny_split(SkinnyConfig(bn, bk, warps, NUM_STAGES, ptx_decode=mode != "plain",
-                                                   prefetch=p), n, k, num_sms)
-            for p in prefetch for bn, bk, warps in tiles]
+    return [configs.with_skinny_split(SkinnyConfig(bn, bk, warps, NUM_STAGES, ptx_decode=mode != "plain"), n, k,
+                                      num_sms) for bn, bk, warps in tiles]
 
 
-def compiled_variants(shapes, m_values, arch: str = H200[0], num_sms: int = H200[1], prefetch=(False,)) -> set[tuple]:
+def compiled_variants(shapes, m_values, arch: str = H200[0], num_sms: int = H200[1]) -> set[tuple]:
     """Every kernel specialization the probe compiles: the constexprs each launcher derives, plus Triton's own
     specialization of an integer argument equal to 1 (M = 1); N, K and the strides are multiples of 16 here."""
     keys = set()
     for n, k in shapes:
         for m in m_values:
             for mode in MODES:
-                for c in candidates(mode, m, n, k, num_sms, prefetch):
+                for c in candidates(mode, m, n, k, num_sms):
                     m_pad = triton.next_power_of_2(m)
                     keys.add(("skinny", mode, c.block_n, c.block_k, c.num_warps, c.num_stages, c.ptx_decode,
-                              c.prefetch, c.split_k > 1, k % (c.block_k * c.split_k) == 0,
-                              skinny_gemm.defers_reduction(c, m_pad), m_pad))
+                              c.split_k > 1, k % (c.block_k * c.split_k) == 0, skinny_gemm.defers_reduction(c, m_pad),
+                              m_pad))
                     if c.split_k > 1:
                         keys.add(("split_k_reduce", c.split_k, m == 1))
             for mode in ("full", "weight_only"):
@@ -118,8 +115,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
-def probe_shape(name: str, n: int, k: int, m_values, num_sms: int, deadline: float, rows: list,
-                prefetch=(False,)) -> bool:
+def probe_shape(name: str, n: int, k: int, m_values, num_sms: int, deadline: float, rows: list) -> bool:
     """Time every method for one shape; False once past the deadline."""
     weights = make_weights(n, k, copies_for(n * k * 2))
     for m in m_values:
@@ -132,7 +128,7 @@ def probe_shape(name: str, n: int, k: int, m_values, num_sms: int, deadline: flo
             us, err = _time(_calls(x, weights, mode, "nested", config))
             rows.append(_row(name, n, k, m, mode, "nested", us, err, repr(config)))
         for mode in MODES:
-            for config in candidates(mode, m, n, k, num_sms, prefetch):
+            for config in candidates(mode, m, n, k, num_sms):
                 if time.monotonic() > deadline:
                     return False
                 calls = _calls(x, weights, mode, "skinny", config)
@@ -158,20 +154,20 @@ def _find(rows, shape, m, mode, kind) -> list[dict]:
 
 
 def best_skinny(rows: list) -> list[dict]:
-    """Per (mode, shape, M, prefetch): the fastest skinny config and its speed-up over torch fp16 and the nested
-    kernel, so the two loop variants compare side by side."""
+    """Per (mode, shape, M): the fastest skinny config and its speed-up over torch fp16 and the nested kernel."""
     out = []
     for shape, m in dict.fromkeys((r["shape"], r["M"]) for r in rows):
         torch_row = _find(rows, shape, m, "plain", "torch_fp16")
         for mode in MODES:
             timed = _find(rows, shape, m, mode, "skinny")
-            for prefetch in sorted({r["config"]["prefetch"] for r in timed}):
-                best = min((r for r in timed if r["config"]["prefetch"] == prefetch), key=lambda r: r["us"])
-                nested = _find(rows, shape, m, mode, "nested")
-                out.append({"mode": mode, "shape": shape, "M": m, "prefetch": prefetch, "us": best["us"],
-                             "weight_gbps": best["weight_gbps"], "config": best["config"], "defer": best["defer"],
-                             "vs_torch_fp16": torch_row[0]["us"] / best["us"] if torch_row else None,
-                             "vs_nested": nested[0]["us"] / best["us"] if nested else None})
+            if not timed:
+                continue
+            best = min(timed, key=lambda r: r["us"])
+            nested = _find(rows, shape, m, mode, "nested")
+            out.append({"mode": mode, "shape": shape, "M": m, "us": best["us"], "weight_gbps": best["weight_gbps"],
+                        "config": best["config"], "defer": best["defer"],
+                        "vs_torch_fp16": torch_row[0]["us"] / best["us"] if torch_row else None,
+                        "vs_nested": nested[0]["us"] / best["us"] if nested else None})
     return out
 
 
@@ -195,32 +191,24 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="qkv at M = 1 only")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new timings after this")
-    parser.add_argument("--m", type=int, nargs="+", default=None, help=f"rows (default {M_VALUES})")
-    parser.add_argument("--prefetch", choices=("off", "on", "both"), default="off",
-                        help="the weight tiles' register double-buffering in the candidates")
-    parser.add_argument("--lm-head", action="store_true", help="also Llama-3.1-8B's lm_head (128256 x 4096)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this probe needs a GPU", file=sys.stderr)
         return 2
     start = time.monotonic()
-    shapes = {"qkv": SHAPES["qkv"]} if args.quick else dict(SHAPES)
-    if args.lm_head:
-        shapes["lm_head"] = LM_HEAD
-    m_values = (1,) if args.quick else tuple(args.m or M_VALUES)
-    prefetch = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefetch]
+    shapes = {"qkv": SHAPES["qkv"]} if args.quick else SHAPES
+    m_values = (1,) if args.quick else M_VALUES
     p = current_platform()
-    variants = len(compiled_variants(shapes.values(), m_values, p.arch, p.num_sms, prefetch))
+    variants = len(compiled_variants(shapes.values(), m_values, p.arch, p.num_sms))
     print(f"{p.device_name} ({p.arch}, {p.num_sms} SMs): {variants} kernel variants to compile", flush=True)
     rows: list[dict] = []
-    complete = all(probe_shape(name, n, k, m_values, p.num_sms, start + args.budget_s, rows, prefetch)
+    complete = all(probe_shape(name, n, k, m_values, p.num_sms, start + args.budget_s, rows)
                    for name, (n, k) in shapes.items())
     best = best_skinny(rows)
     print("\nbest skinny config per (mode, shape, M); speed-up over torch fp16 / over the nested tl.dot kernel")
     for b in best:
         c = b["config"]
-        loop = "prefetch" if b["prefetch"] else "in-place"
-        print(f"{b['mode']:11s} {b['shape']:8s} M={b['M']} {loop}  {b['us']:6.1f}us {b['weight_gbps']:5.0f}GB/s  "
+        print(f"{b['mode']:11s} {b['shape']:8s} M={b['M']}  {b['us']:6.1f}us {b['weight_gbps']:5.0f}GB/s  "
               f"{c['block_n']:2d}x{c['block_k']:<4d} w{c['num_warps']} split{c['split_k']} "
               f"{'defer' if b['defer'] else 'step '}  {_ratio(b['vs_torch_fp16'])} {_ratio(b['vs_nested'])}")
     result = {"device": torch.cuda.get_device_name(0), "arch": p.arch, "num_sms": p.num_sms,

@@ -280,7 +280,6 @@ class SkinnyConfig:
     num_stages: int = 3
     split_k: int = 1
     ptx_decode: bool = False  # nested planes only, NVIDIA only (nested_gemm.check_ptx_decode)
-    prefetch: bool = False  # register double-buffering of the weight tile (skinny_gemm.py's PREFETCH)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -322,9 +321,6 @@ _SKINNY_GPU_TILE = SkinnyConfig(16, 256, num_warps=4, num_stages=3)
 # costs a second kernel, the fp32 partials' reduce). At 16x256 tiles o (4096x4096) and down (4096x14336) then get
 # split 2 (512 programs instead of 256, one or two per SM), qkv (6144) split 4, gate_up (28672) none.
 SKINNY_PROGRAMS_PER_SM = 4
-# Whether the skinny kernel double-buffers its weight tiles in registers (and requests the first before the PDL
-# wait), per arch. Not timed on a GPU yet: off there; the interpreter takes it so the CPU tests run that loop.
-SKINNY_PREFETCH: dict[str, bool] = {"sm90": False, "cpu": True}
 
 
 def skinny_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
@@ -338,7 +334,6 @@ def skinny_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int) ->
         config = _SKINNY_SM90.get((mode, m), config)
     if arch == "sm90" and mode != "plain":  # the packed decode is what made sm90 decode tiles fast (see _DECODE_PTX)
         config = replace(config, ptx_decode=True)
-    config = replace(config, prefetch=SKINNY_PREFETCH.get(arch, False))
     return config if arch == "cpu" else with_skinny_split(config, n, k, num_sms)
 
 

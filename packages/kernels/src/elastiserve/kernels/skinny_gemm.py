@@ -23,12 +23,6 @@ run yet): no layout conversion, barrier or shuffle in the loop of a deferred var
 The price is that a thread re-reads its x slice (an L1 hit) for every weight row it holds; per-step variants whose K
 span crosses warps (fp16 BLOCK_K > 256 at 4 warps) reduce through shared memory every step.
 
-Loads in flight. Triton 3.6 does not software-pipeline this loop (no tl.dot), so each program waits for every weight
-tile in place: a 4,096 x 14,336 down_proj at one row (14 tiles a program) ran at ~3.2 TB/s. ``PREFETCH`` (from
-``configs.SKINNY_PREFETCH``) keeps the next tile's raw bytes loading while this one is decoded and multiplied, and
-requests the first tile before the PDL wait (weights are never written by a step's kernels). The price is registers:
-sm90 compiles of the table's tiles go 64 -> 80 (weight-only), 72 -> 125 (full, one row), 97 -> 162 (plain).
-
 Split-K writes fp32 partials [SPLIT_K, M, N] that ``nested_gemm.reduce_split_k`` sums (+ bias). Registered op:
 ``elastiserve::skinny_linear(x, weight, bias)`` (plain fp16); the nested modes are reached through
 ``nested_gemm.nested_gemm`` (so ``elastiserve::nested_linear``), routed by ``configs.choose_skinny``. Pure-torch
@@ -45,7 +39,7 @@ from elastiserve.kernels import configs, nested_gemm
 from elastiserve.kernels.configs import SKINNY_MAX_ROWS, SkinnyConfig
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
-from elastiserve.kernels.weight_decode import PLAIN, decode_planes, load_weight_planes, load_weight_tile
+from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
 from elastiserve.platforms import ConfigError, current_platform
 
 MODE_IDS = {"full": nested_gemm.FULL, "weight_only": nested_gemm.WEIGHT_ONLY, "plain": PLAIN}
@@ -92,33 +86,6 @@ def _store_row(acc, row, out_ptr, bias, offs_n, mask_n, M, stride_om, stride_on,
 
 
 @triton.jit
-def _tile_fmas(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptr, M, K, offs_k, stride_xm, stride_xk,
-               EVEN_K: tl.constexpr, DEFER: tl.constexpr, M_PAD: tl.constexpr):
-    """Every row's multiply-adds with one decoded fp32 weight tile; rows >= M_PAD are dead code."""
-    acc0 = _row_fma(acc0, w, x_ptr, 0, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-    if M_PAD > 1:
-        acc1 = _row_fma(acc1, w, x_ptr, 1, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-    if M_PAD > 2:
-        acc2 = _row_fma(acc2, w, x_ptr, 2, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-        acc3 = _row_fma(acc3, w, x_ptr, 3, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-    if M_PAD > 4:
-        acc4 = _row_fma(acc4, w, x_ptr, 4, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-        acc5 = _row_fma(acc5, w, x_ptr, 5, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-        acc6 = _row_fma(acc6, w, x_ptr, 6, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-        acc7 = _row_fma(acc7, w, x_ptr, 7, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@triton.jit
-def _tile_mask(mask_n, offs_k, K, EVEN_K: tl.constexpr):
-    if EVEN_K:  # no K mask: keeps the loads fully vectorized
-        mask = mask_n[:, None]
-    else:  # (one return: the compiler checks every return's shape against the first)
-        mask = mask_n[:, None] & (offs_k < K)[None, :]
-    return mask
-
-
-@triton.jit
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K] fp16
     w_ptr,  # [N, K] fp16 weight (plain) or uint8 upper plane
@@ -131,9 +98,9 @@ def _skinny_gemm_kernel(
     MODE: tl.constexpr, NESTING: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,  # SPLIT_K > 1; a bool rather than the split count, so every split shares one compile
     EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr, DEFER: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -147,36 +114,26 @@ def _skinny_gemm_kernel(
     acc5 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
     acc6 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
     acc7 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
-    if PREFETCH:
-        # Register double-buffering: the next tile's loads are issued before this tile's decode and FMAs, so a
-        # program keeps two tiles in flight where Triton (no tl.dot in the loop) would wait for each load in place.
-        # The first tile is requested before the PDL wait: no kernel of a step writes weights, so it overlaps the
-        # previous kernel's tail.
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        u_next, low_next = load_weight_planes(w_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln,
-                                              stride_lk, _tile_mask(mask_n, offs_k, K, EVEN_K), MODE, False)
-        wait_for_prior_grid(PDL)
-        for kk in range(0, k_per_split, BLOCK_K):
-            u, low = u_next, low_next
-            offs_k = k_start + kk + tl.arange(0, BLOCK_K)
-            next_k = offs_k + BLOCK_K
-            next_mask = _tile_mask(mask_n, next_k, K, EVEN_K) & (kk + BLOCK_K < k_per_split)
-            u_next, low_next = load_weight_planes(w_ptr, lower_ptr, offs_n, next_k, stride_wn, stride_wk, stride_ln,
-                                                  stride_lk, next_mask, MODE, False)
-            w = decode_planes(u, low, MODE, NESTING, False, PTX_DECODE).to(tl.float32)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_fmas(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptr, M, K, offs_k, stride_xm, stride_xk, EVEN_K,
-                DEFER, M_PAD)
-    else:
-        wait_for_prior_grid(PDL)
-        for kk in range(0, k_per_split, BLOCK_K):
-            offs_k = k_start + kk + tl.arange(0, BLOCK_K)
-            w = load_weight_tile(w_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk,
-                                 _tile_mask(mask_n, offs_k, K, EVEN_K), MODE, NESTING, False, PTX_DECODE)
-            w = w.to(tl.float32)  # MODE PLAIN loads the fp16 weight as it is
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tile_fmas(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptr, M, K, offs_k, stride_xm, stride_xk, EVEN_K,
-                DEFER, M_PAD)
+    for kk in range(0, k_per_split, BLOCK_K):
+        offs_k = k_start + kk + tl.arange(0, BLOCK_K)
+        if EVEN_K:  # no K mask: keeps the loads fully vectorized
+            w_mask = mask_n[:, None]
+        else:
+            w_mask = mask_n[:, None] & (offs_k < K)[None, :]
+        w = load_weight_tile(w_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
+                             MODE, NESTING, False, PTX_DECODE)  # MODE PLAIN loads the fp16 weight as it is
+        w = w.to(tl.float32)
+        acc0 = _row_fma(acc0, w, x_ptr, 0, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+        if M_PAD > 1:
+            acc1 = _row_fma(acc1, w, x_ptr, 1, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+        if M_PAD > 2:
+            acc2 = _row_fma(acc2, w, x_ptr, 2, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+            acc3 = _row_fma(acc3, w, x_ptr, 3, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+        if M_PAD > 4:
+            acc4 = _row_fma(acc4, w, x_ptr, 4, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+            acc5 = _row_fma(acc5, w, x_ptr, 5, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+            acc6 = _row_fma(acc6, w, x_ptr, 6, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+            acc7 = _row_fma(acc7, w, x_ptr, 7, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
 
     out_ptr += pid_k * stride_os
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -238,7 +195,7 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
         w_scale,
         MODE=MODE_IDS[mode], NESTING=nesting, HAS_BIAS=bias is not None, PARTIAL=split > 1,
         EVEN_K=k % (config.block_k * split) == 0, PTX_DECODE=config.ptx_decode, DEFER=defers_reduction(config, m_pad),
-        M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PREFETCH=config.prefetch,
+        M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
     )
     if split > 1:

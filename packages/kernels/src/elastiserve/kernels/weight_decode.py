@@ -99,12 +99,14 @@ def decode_weight_tile_ptx(u, low, MODE: tl.constexpr, NESTING: tl.constexpr):
 
 
 @triton.jit
-def load_weight_planes(upper_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
-                       MODE: tl.constexpr, FNUZ: tl.constexpr):
-    """The raw [BLOCK_N, BLOCK_K] tiles ``load_weight_tile`` decodes: (upper, lower) in full mode, (upper, upper)
-    otherwise. Split from the decode so a kernel can keep the next tile's loads in flight while it decodes this one."""
+def load_weight_tile(upper_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
+                     MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, PTX_DECODE: tl.constexpr):
+    """Load one [BLOCK_N, BLOCK_K] tile of the planes (the lower one only in full mode) and decode it for tl.dot.
+    MODE 3 (``PLAIN``): ``upper_ptr`` is a plain fp16 weight, loaded as it is (the grouped GEMM of unnested experts)."""
     w_off = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-    if MODE == 3 or (MODE == 2 and not FNUZ):  # a plain fp16 weight, or an fp8 pointer
+    if MODE == 3:
+        return tl.load(upper_ptr + w_off, mask=w_mask, other=0.0)
+    if MODE == 2 and not FNUZ:  # fp8 pointer
         u = tl.load(upper_ptr + w_off, mask=w_mask, other=0.0)
     else:
         u = tl.load(upper_ptr + w_off, mask=w_mask, other=0)
@@ -112,24 +114,6 @@ def load_weight_planes(upper_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_w
         low = tl.load(lower_ptr + offs_n[:, None] * stride_ln + offs_k[None, :] * stride_lk, mask=w_mask, other=0)
     else:
         low = u
-    return u, low
-
-
-@triton.jit
-def decode_planes(u, low, MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, PTX_DECODE: tl.constexpr):
-    """Tiles from ``load_weight_planes`` -> the tile tl.dot (or the skinny kernel's FMAs) consumes."""
-    if MODE == 3:
-        return u
     if PTX_DECODE and MODE != 2:
         return decode_weight_tile_ptx(u, low, MODE, NESTING)  # four weights per asm call
     return decode_weight_tile(u, low, MODE, NESTING, FNUZ)
-
-
-@triton.jit
-def load_weight_tile(upper_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
-                     MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, PTX_DECODE: tl.constexpr):
-    """Load one [BLOCK_N, BLOCK_K] tile of the planes (the lower one only in full mode) and decode it for tl.dot.
-    MODE 3 (``PLAIN``): ``upper_ptr`` is a plain fp16 weight, loaded as it is (the grouped GEMM of unnested experts)."""
-    u, low = load_weight_planes(upper_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk,
-                                w_mask, MODE, FNUZ)
-    return decode_planes(u, low, MODE, NESTING, FNUZ, PTX_DECODE)
