@@ -4,7 +4,9 @@
 # without them, and the f584d56 baseline (session 20's attention, rotary, engine and skinny files, carried in
 # .carry/old: before the split merge moved into the attention launch and the rotary + KV-write fusion). Then the
 # skinny probe at one row, both loops side by side (Llama-3.1-8B's four linears and lm_head), and the per-kernel
-# profile of this tree at batch 1 with PDL off. Everything lands in one archive ($OUT/results.tgz).
+# profile of this tree at batch 1 with PDL off. Everything lands in one archive ($OUT/results.tgz). Ran at ebbc11a;
+# bench_decode's --skinny-prefetch and the probe's --prefetch / --lm-head were removed after it (4a4eb33), so re-run
+# it from a checkout of ebbc11a.
 source ci/gpu/bootstrap.sh
 set +e
 start_round
