@@ -12,16 +12,16 @@ group) pairs, ``BLOCK_M`` of them padded to at least 16 for ``tl.dot``. KV is wa
 Decode with KV splits (flash-decoding) writes per-split partials; the last program of each (sequence, kv head) to
 finish merges them in the same launch (attention_merge.py). PATH 3 and 4 are the two launches of the split
 structured path (``attention.STRUCTURED_SPLIT``): the TARGET ranges, then the BASE run, whose last program merges
-the partials of both launches. The one-launch structured kernel
-carries both loops and compiles to 189 registers per thread (2 CTAs per SM) against the native kernel's 114
-(benchmarks/kernels/results/sm90-compile-report.log, head_dim specialized as a multiple of 16 as the JIT does for
-128; unspecialized, 203 against 158-209, and no loop gets async copies), so resident CTAs are what keeps loads in
-flight.
+the partials of both launches. The one-launch structured kernel carries both loops and compiles to 189 registers per
+thread (2 CTAs per SM) against the native kernel's 114 (benchmarks/kernels/results/sm90-compile-report.log, head_dim
+specialized as a multiple of 16 as the JIT does for 128: every loop then gets async copies; unspecialized, 203
+against 158-209 registers and no loop pipelined).
 
 Measured on the H200 (decode, batch 64 x 4096 tokens, 32 q / 8 kv heads, dim 128, graph replay): native 244 us
-against SDPA's 238 us on contiguous KV; all-BASE 215 us, so BASE is latency-bound, not byte-bound: its loads pass
-through integer ops before the dots and Triton does not software-pipeline them. A register-prefetch variant and a
-swapped-operand (K as the dot's A operand) variant were both slower.
+against SDPA's 238 us on contiguous KV; all-BASE 215 us, so BASE is latency-bound, not byte-bound. Why is not
+measured: session 3 put it on the integer ops between its loads and the dots, from an unspecialized compile in which
+no loop was pipelined, while the specialized compile the GPU runs pipelines them (session 21). A register-prefetch
+variant and a swapped-operand (K as the dot's A operand) variant were both slower.
 
 Scores use exp2 with the softmax scale folded into ``qk_scale`` (scale * log2 e); the running max starts at a large
 finite negative so fully masked tiles give alpha = 1 and p = 0 instead of NaN.
