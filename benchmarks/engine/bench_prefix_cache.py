@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_decode import free_device_memory, metadata, resolve_model
+from decode_setup import free_device_memory, metadata, resolve_model
 
 from elastiserve.engine.bench.replay import replay_in_process
 from elastiserve.engine.bench.results import summarize

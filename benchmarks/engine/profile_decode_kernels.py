@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_decode import (
+from decode_setup import (
     GIB,
     build_engine,
     decode_inputs,

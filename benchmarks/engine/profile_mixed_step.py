@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_decode import free_device_memory, metadata, prompt_ids, resolve_model, start_decoding
+from decode_setup import free_device_memory, metadata, prompt_ids, resolve_model, start_decoding
 
 from elastiserve.engine.config import POLICIES, EngineConfig
 from elastiserve.engine.llm_engine import LLMEngine

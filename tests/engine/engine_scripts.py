@@ -1,4 +1,4 @@
-"""Loads a script of ``benchmarks/engine`` as a module (the scripts import their helpers from ``bench_decode``
+"""Loads a script of ``benchmarks/engine`` as a module (the scripts import their helpers from ``decode_setup``
 beside them)."""
 
 from __future__ import annotations

@@ -27,11 +27,14 @@ TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_decode"] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(SCRIPT.parent))  # it imports its helpers from decode_setup.py beside it
+    try:
+        spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
 
 
 def test_bench_decode_main_on_a_tiny_config(tmp_path):

@@ -21,7 +21,7 @@ TINY = {
 
 
 def load_script():
-    sys.path.insert(0, str(SCRIPTS))  # it imports bench_decode's helpers
+    sys.path.insert(0, str(SCRIPTS))  # it imports decode_setup's helpers
     try:
         spec = importlib.util.spec_from_file_location("profile_decode_kernels", SCRIPTS / "profile_decode_kernels.py")
         module = importlib.util.module_from_spec(spec)

@@ -1,0 +1,177 @@
+"""Helpers of the engine decode scripts (``bench_decode.py``, ``profile_decode_kernels.py``, ``profile_mixed_step.py``,
+``bench_prefix_cache.py``): a random-weight engine from a model spec, run metadata, graph-replay timing, and decode
+batches started on an engine and turned into one step's inputs."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastiserve.engine.bench.results import git_commit
+from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.llm_engine import LLMEngine
+from elastiserve.engine.runner import ModelRunner, StepInputs
+from elastiserve.engine.sampling import SamplingParams
+
+GIB = 1 << 30
+
+
+# ---- setup -----------------------------------------------------------------------------------------------------
+def resolve_model(spec: str, workdir: Path) -> str:
+    """A config dict (JSON text) or a config.json file becomes a directory the loader understands."""
+    text = None
+    if spec.lstrip().startswith("{"):
+        text = spec
+    elif spec.endswith(".json") and Path(spec).is_file():
+        text = Path(spec).read_text()
+    if text is None:
+        return spec
+    model_dir = workdir / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(json.loads(text)))
+    return str(model_dir)
+
+
+def build_engine(args: argparse.Namespace, policy: str, *, max_num_seqs: int, kv_bytes: int | None) -> LLMEngine:
+    config = EngineConfig(model=args.model_dir, policy=policy, device=args.device, load_format="dummy",
+                          max_num_seqs=max_num_seqs, max_model_len=args.max_model_len, kv_cache_budget=kv_bytes,
+                          cpu_kv_blocks=args.cpu_kv_blocks, seed=args.seed)
+    return LLMEngine(config, eos_token_ids=())
+
+
+def free_device_memory() -> None:
+    """After an engine is closed and its last name dropped (``del``): collect it and hand its cached blocks back
+    (a name still bound to a closed engine keeps its weights alive while the next one loads)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def metadata(args: argparse.Namespace) -> dict[str, Any]:
+    import triton
+
+    commit = git_commit(Path(__file__).resolve().parent)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    from elastiserve.platforms import current_platform
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")}
+    settings["programmatic_launch"] = current_platform().programmatic_launch  # ELASTISERVE_PDL
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "python":
+            platform.python_version(), "commit": commit, "host": platform.node(), "settings": settings}
+
+
+# ---- timing ----------------------------------------------------------------------------------------------------
+def time_calls(fn, device: torch.device, iters: int, trials: int) -> dict[str, float]:
+    """Seconds per call: CUDA events around ``iters`` back-to-back calls on a GPU (wall clock on the CPU)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(trials):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1000.0 / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append((time.perf_counter() - t0) / iters)
+    samples.sort()
+    return {"median_s": statistics.median(samples), "min_s": samples[0], "max_s": samples[-1]}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int, trials: int) -> dict[str, float]:
+    """Device-to-device copy of ``nbytes``: bytes read + written per second."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(7)
+    dst = torch.empty_like(src)
+    t = time_calls(lambda: dst.copy_(src), device, iters, trials)
+    return {"bytes": nbytes, "seconds": t["median_s"], "bytes_per_s": 2 * nbytes / t["median_s"]}
+
+
+# ---- decode batches --------------------------------------------------------------------------------------------
+def prompt_ids(vocab: int, n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def start_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int, tag: str) -> list[str]:
+    """Add ``batch`` requests of ``context`` prompt tokens and step until every one of them is decoding."""
+    if context + max_tokens > engine.max_model_len:
+        raise ValueError(f"--context {context} + {max_tokens} decode steps exceed max_model_len {engine.max_model_len}")
+    rng = random.Random(batch * 7919 + context)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, prompt_ids(engine.vocab_size, context, rng), params)
+    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
+        engine.step()
+    return ids
+
+
+def decode_inputs(engine: LLMEngine, batch: int, context: int) -> StepInputs:
+    """The inputs of one real decode step of ``batch`` sequences (scheduled once, never executed by the engine)."""
+    start_decoding(engine, batch, context, max_tokens=8, tag="dec")
+    scheduled = engine.scheduler.schedule()
+    if not scheduled.is_decode_only or len(scheduled.seqs) != batch:
+        raise RuntimeError(f"expected a decode batch of {batch}, got {scheduled.num_new_tokens}")
+    return ModelRunner.step_inputs(scheduled, engine.kv)
+
+
+def first_rows(inputs: StepInputs, n: int) -> StepInputs:
+    return StepInputs(inputs.tokens[:n], inputs.positions[:n], inputs.slots[:n], inputs.query_lens[:n],
+                      inputs.seq_lens[:n], inputs.block_tables[:n], inputs.base_bounds[:n],
+                      {i: modes for i, modes in inputs.pair_modes.items() if i < n})
+
+
+def decode_step_fn(runner: ModelRunner, inputs: StepInputs, with_logits: bool = True):
+    """One decode step (graph replay on a GPU, eager forward elsewhere) in the runner's current mode."""
+    n = len(inputs.seq_lens)
+    shape = runner.graphs.step_shape(n, n, is_decode=True) if runner.graphs is not None else None
+    with torch.inference_mode():
+        metadata = runner.load_inputs(inputs, shape)
+        captured = runner.graphs.get(shape, metadata.path) if shape is not None else None
+
+    @torch.inference_mode()
+    def step():
+        hidden = captured.replay()[:n] if captured is not None else runner.forward(n, metadata)
+        return runner.model.compute_logits(hidden) if with_logits else hidden
+
+    return step, shape.batch if shape is not None else n
+
+
+def time_modes(engine: LLMEngine, inputs: StepInputs, batches: list[int], modes: dict[str, frozenset[int]],
+               args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for b in batches:
+        row: dict[str, Any] = {"batch": b}
+        for name, layers in modes.items():
+            engine.runner.set_fast_layers(layers)
+            fn, padded = decode_step_fn(engine.runner, first_rows(inputs, b))
+            row[f"{name}_s"] = time_calls(fn, engine.device, args.iters, args.trials)["median_s"]
+            row["padded_batch"] = padded
+        rows.append(row)
+    engine.runner.set_fast_layers(frozenset())
+    return rows
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """fp16 bytes a decode step reads: every decoder layer, the final norm and lm_head (embedding: one row each)."""
+    params = list(model.decoder_layers.parameters()) + list(model.norm.parameters()) + [model.lm_head.weight]
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def kv_bytes_read(model_config: Any, tokens: int) -> int:
+    mc = model_config
+    return tokens * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2
