@@ -1,0 +1,36 @@
+"""``benchmarks/kernels/probe_norm_warps.py`` without a GPU: ``main`` refuses to run on the CPU, and the warp rule it
+swaps in for a measurement is put back afterwards, also when the measurement raises."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cpu]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "probe_norm_warps.py"
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location("probe_norm_warps", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_refuses_without_a_gpu(probe, tmp_path):
+    out = tmp_path / "norm.json"
+    assert probe.main(["--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_the_warp_rule_is_restored(probe):
+    rms_norm = probe.rms_norm  # the module (the package's attribute of that name is the op)
+    default = rms_norm._num_warps
+    assert probe._with_warps(4, lambda: rms_norm._num_warps(4096)) == 4
+    with pytest.raises(RuntimeError):
+        probe._with_warps(8, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert rms_norm._num_warps is default and default(4096) == 16
