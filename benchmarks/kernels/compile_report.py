@@ -99,8 +99,8 @@ def compile_skinny(mode: str, m_pad: int, config: configs.SkinnyConfig, arch: in
                   "out_ptr": "*fp32" if partial else "*fp16", "w_scale": "fp32"})
     const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": skinny_gemm.MODE_IDS[mode],
              "NESTING": 1, "HAS_BIAS": True, "PARTIAL": partial, "EVEN_K": even_k, "PTX_DECODE": config.ptx_decode,
-             "DEFER": skinny_gemm.defers_reduction(config, m_pad), "M_PAD": m_pad, "BLOCK_N": config.block_n,
-             "BLOCK_K": config.block_k}
+             "DEFER": skinny_gemm.defers_reduction(config, m_pad, mode), "M_PAD": m_pad, "BLOCK_N": config.block_n,
+             "BLOCK_K": config.block_k, "VEC": skinny_gemm.vector_width(mode)}
     return compile_kernel(fn, types, const, config.num_warps, config.num_stages, arch)
 
 
@@ -124,8 +124,8 @@ def skinny_report(arch: int) -> list[dict]:
             config = configs.skinny_config(f"sm{arch}", mode, m_pad, 6144, 4096, 132)
             kernel = compile_skinny(mode, m_pad, config, arch, partial=config.split_k > 1)
             row = {"kernel": "skinny_gemm", "mode": mode, "M_PAD": m_pad, "N": 6144, "K": 4096, "config": repr(config),
-                   "defer": skinny_gemm.defers_reduction(config, m_pad), **facts(kernel, arch, 32 * config.num_warps),
-                   **loop_facts(kernel)}
+                   "defer": skinny_gemm.defers_reduction(config, m_pad, mode),
+                   **facts(kernel, arch, 32 * config.num_warps), **loop_facts(kernel)}
             rows.append(row)
             print(f"skinny {mode:11s} M_PAD {m_pad}  {'defer' if row['defer'] else 'step '}  regs {row['registers']:3d}"
                   f"  loop: {row['loop_convert_layout']} layout conversions, {row['loop_barriers']} barriers, "

@@ -11,6 +11,8 @@ kernel (>1: skinny is faster); writes every timing to JSON with the weight bytes
 inside 240 s; ``--budget-s`` stops early (``"truncated": true``) if it does not.
 
     python benchmarks/kernels/probe_skinny_gemm.py --out skinny.json [--quick]
+    python benchmarks/kernels/probe_skinny_gemm.py --out o.json --shapes o down --m 1 --modes weight_only \
+        --tiles 8,1024,8 8,2048,16      # (block_n, block_k, num_warps) candidates instead of the lists below
 """
 
 from __future__ import annotations
@@ -50,24 +52,25 @@ H200 = ("sm90", 132)  # (arch, SMs) the variant bound is checked for
 DEVICE = "cuda"  # the CPU smoke test swaps in "cpu" (and fake weights and timer) to run main's own logic
 
 
-def candidates(mode: str, m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
-    tiles = TILES_M1 if m == 1 else TILES_MULTI
+def candidates(mode: str, m: int, n: int, k: int, num_sms: int, tiles=None) -> list[SkinnyConfig]:
+    tiles = tiles or (TILES_M1 if m == 1 else TILES_MULTI)
     return [configs.with_skinny_split(SkinnyConfig(bn, bk, warps, NUM_STAGES, ptx_decode=mode != "plain"), n, k,
                                       num_sms) for bn, bk, warps in tiles]
 
 
-def compiled_variants(shapes, m_values, arch: str = H200[0], num_sms: int = H200[1]) -> set[tuple]:
+def compiled_variants(shapes, m_values, arch: str = H200[0], num_sms: int = H200[1], modes=MODES,
+                      tiles=None) -> set[tuple]:
     """Every kernel specialization the probe compiles: the constexprs each launcher derives, plus Triton's own
     specialization of an integer argument equal to 1 (M = 1); N, K and the strides are multiples of 16 here."""
     keys = set()
     for n, k in shapes:
         for m in m_values:
-            for mode in MODES:
-                for c in candidates(mode, m, n, k, num_sms):
+            for mode in modes:
+                for c in candidates(mode, m, n, k, num_sms, tiles):
                     m_pad = triton.next_power_of_2(m)
                     keys.add(("skinny", mode, c.block_n, c.block_k, c.num_warps, c.num_stages, c.ptx_decode,
-                              c.split_k > 1, k % (c.block_k * c.split_k) == 0, skinny_gemm.defers_reduction(c, m_pad),
-                              m_pad))
+                              c.split_k > 1, k % (c.block_k * c.split_k) == 0,
+                              skinny_gemm.defers_reduction(c, m_pad, mode), m_pad))
                     if c.split_k > 1:
                         keys.add(("split_k_reduce", c.split_k, m == 1))
             for mode in ("full", "weight_only"):
@@ -115,7 +118,8 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
-def probe_shape(name: str, n: int, k: int, m_values, num_sms: int, deadline: float, rows: list) -> bool:
+def probe_shape(name: str, n: int, k: int, m_values, num_sms: int, deadline: float, rows: list, modes=MODES,
+                tiles=None) -> bool:
     """Time every method for one shape; False once past the deadline."""
     weights = make_weights(n, k, copies_for(n * k * 2))
     for m in m_values:
@@ -127,8 +131,8 @@ def probe_shape(name: str, n: int, k: int, m_values, num_sms: int, deadline: flo
             config = configs.choose_config(current_platform().arch, mode, m, n, k, num_sms)
             us, err = _time(_calls(x, weights, mode, "nested", config))
             rows.append(_row(name, n, k, m, mode, "nested", us, err, repr(config)))
-        for mode in MODES:
-            for config in candidates(mode, m, n, k, num_sms):
+        for mode in modes:
+            for config in candidates(mode, m, n, k, num_sms, tiles):
                 if time.monotonic() > deadline:
                     return False
                 calls = _calls(x, weights, mode, "skinny", config)
@@ -140,7 +144,7 @@ def probe_shape(name: str, n: int, k: int, m_values, num_sms: int, deadline: flo
                 if rel_err is not None and rel_err > MAX_REL_ERR:
                     us, err = None, f"wrong result: max error {rel_err:.3g} of max |y|"
                 row = _row(name, n, k, m, mode, "skinny", us, err, asdict(config))
-                row["defer"] = skinny_gemm.defers_reduction(config, triton.next_power_of_2(m))
+                row["defer"] = skinny_gemm.defers_reduction(config, triton.next_power_of_2(m), mode)
                 row["rel_err"] = rel_err
                 rows.append(row)
         print_shape_line(rows, name, m)
@@ -186,23 +190,32 @@ def _ratio(value) -> str:
     return f"{value:.2f}x" if value else "  -  "
 
 
+def _tile(text: str) -> tuple[int, int, int]:
+    block_n, block_k, num_warps = (int(v) for v in text.split(","))
+    return block_n, block_k, num_warps
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="qkv at M = 1 only")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new timings after this")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: all four")
+    parser.add_argument("--m", nargs="+", type=int, help=f"rows (default {M_VALUES})")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--tiles", nargs="+", type=_tile, help="block_n,block_k,num_warps candidates for every M")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this probe needs a GPU", file=sys.stderr)
         return 2
     start = time.monotonic()
-    shapes = {"qkv": SHAPES["qkv"]} if args.quick else SHAPES
-    m_values = (1,) if args.quick else M_VALUES
+    shapes = {"qkv": SHAPES["qkv"]} if args.quick else {name: SHAPES[name] for name in args.shapes or SHAPES}
+    m_values = (1,) if args.quick else tuple(args.m or M_VALUES)
     p = current_platform()
-    variants = len(compiled_variants(shapes.values(), m_values, p.arch, p.num_sms))
+    variants = len(compiled_variants(shapes.values(), m_values, p.arch, p.num_sms, args.modes, args.tiles))
     print(f"{p.device_name} ({p.arch}, {p.num_sms} SMs): {variants} kernel variants to compile", flush=True)
     rows: list[dict] = []
-    complete = all(probe_shape(name, n, k, m_values, p.num_sms, start + args.budget_s, rows)
+    complete = all(probe_shape(name, n, k, m_values, p.num_sms, start + args.budget_s, rows, args.modes, args.tiles)
                    for name, (n, k) in shapes.items())
     best = best_skinny(rows)
     print("\nbest skinny config per (mode, shape, M); speed-up over torch fp16 / over the nested tl.dot kernel")

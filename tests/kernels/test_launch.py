@@ -38,7 +38,7 @@ types.update({"x_ptr": "*fp16", "w_ptr": "*u8", "lower_ptr": "*u8", "bias_ptr": 
               "w_scale": "fp32"})
 base = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "NESTING": 1, "HAS_BIAS": True,
         "PARTIAL": False, "EVEN_K": True, "PTX_DECODE": False, "DEFER": True, "M_PAD": 1, "BLOCK_N": 16,
-        "BLOCK_K": 256}
+        "BLOCK_K": 256, "VEC": 16}
 for name, mode, pdl in (("skinny_full_pdl", 0, True), ("skinny_weight_only_pdl", 1, True), ("skinny_full", 0, False)):
     kernel = report.compile_kernel(fn, types, dict(base, MODE=mode, PDL=pdl), 4, 2, 90)
     out[name] = order(kernel.asm["ptx"])

@@ -94,3 +94,14 @@ def test_main_logic_with_the_gpu_parts_faked(probe, monkeypatch, tmp_path, capsy
     assert all("ptx_decode" in r["error"] for r in skinny if r["mode"] != "plain")
     assert [(b["mode"], b["config"]["block_n"], b["vs_torch_fp16"]) for b in result["best"]] == [("plain", 16, 1.0)]
     assert "best skinny config" in capsys.readouterr().out and not result["truncated"]
+
+
+def test_cli_filters_narrow_the_run(probe):
+    """``--shapes / --m / --modes / --tiles`` narrow the compile count to what was asked for."""
+    tiles = [probe._tile("8,2048,16"), probe._tile("4,4096,16")]
+    narrow = probe.compiled_variants([probe.SHAPES["o"]], (1,), modes=("weight_only",), tiles=tiles)
+    skinny = {key for key in narrow if key[0] == "skinny"}
+    assert {(key[1], key[2], key[3], key[4]) for key in skinny} == {("weight_only", 8, 2048, 16),
+                                                                 ("weight_only", 4, 4096, 16)}
+    with pytest.raises(ValueError):
+        probe._tile("8,2048")

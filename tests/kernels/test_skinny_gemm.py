@@ -35,7 +35,7 @@ CASES = [
     (40, 64, SkinnyConfig(16, 32, num_stages=1)),  # EVEN_K True
     (40, 96, SkinnyConfig(16, 16, num_stages=1, split_k=3)),  # split 3, EVEN_K True (96 = 3 * 2 * 16)
     (40, 40, SkinnyConfig(8, 16, num_stages=1, split_k=3)),  # split 3 with a K tail
-    (24, 64, SkinnyConfig(16, 64, num_warps=1, num_stages=1)),  # M_PAD >= 4 reduces each step (DEFER False)
+    (24, 64, SkinnyConfig(16, 512, num_warps=1, num_stages=1)),  # M_PAD >= 4 reduces each step (DEFER False)
 ]
 
 
@@ -45,7 +45,7 @@ def _config(config, m, n, k):
 
 def test_cases_cover_the_kernel_variants():
     flags = {(m, c.split_k > 1, k % (c.block_k * c.split_k) == 0,
-              skinny_gemm.defers_reduction(c, triton.next_power_of_2(m)))
+              skinny_gemm.defers_reduction(c, triton.next_power_of_2(m), "plain"))
              for m in ROWS for n, k, config in CASES for c in [_config(config, m, n, k)]}
     assert {f[1] for f in flags} == {False, True} and {f[2] for f in flags} == {False, True}
     assert {(f[0], f[3]) for f in flags} >= {(1, True), (3, True), (8, True), (3, False), (8, False)}
@@ -279,7 +279,7 @@ spec.loader.exec_module(report)
 from elastiserve.kernels.configs import SkinnyConfig
 cases = [("plain", 1, SkinnyConfig(16, 256), False, True),
          ("full", 2, SkinnyConfig(16, 256, ptx_decode=True), True, False),
-         ("weight_only", 8, SkinnyConfig(16, 256, ptx_decode=True), False, True)]
+         ("weight_only", 8, SkinnyConfig(32, 256, num_warps=1, ptx_decode=True), False, True)]
 print(json.dumps([report.loop_facts(report.compile_skinny(mode, m_pad, config, 90, partial, even_k))
                   for mode, m_pad, config, partial, even_k in cases]))
 """

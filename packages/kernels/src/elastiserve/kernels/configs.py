@@ -269,7 +269,7 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int, *,
 
 SKINNY_MODES = ("plain", "full", "weight_only")  # plain: an fp16 weight [N, K]; the others read nested planes
 SKINNY_MAX_ROWS = 8  # the kernel keeps one accumulator per row, eight at most (skinny_gemm.py says why)
-SKINNY_MAX_TILE = 16384  # BLOCK_N * BLOCK_K elements: one fp32 tile of 64 registers per thread at 8 warps
+SKINNY_MAX_TILE = 32768  # BLOCK_N * BLOCK_K elements: 128 bytes of nested planes per thread at 8 warps
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,9 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
+    # Issued with x's load: ptxas keeps global loads below a barrier, so a weight load written after the mean's
+    # block reduction waited a second memory latency there (the norm weights leave the L2 between decode steps).
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
         x = x + residual  # in the input dtype: the same single rounding as torch's ``x + residual``
@@ -77,7 +80,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     mean_square = tl.sum(x32 * x32, axis=0) / n_cols
     normed = (x32 * tl.math.rsqrt(mean_square + eps)).to(x.dtype)  # HF rounds here, before the weight
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     # An fp16 (or bf16) product is exact in fp32, so one rounding here equals the fp16 multiply torch does.
     out = (normed.to(tl.float32) * weight.to(tl.float32)).to(out_ptr.dtype.element_ty)
     if QUANT:  # the fp16 row quantized as quantize_per_token would read it back (masked lanes are 0)

@@ -12,16 +12,19 @@ Reduction strategy. The weight is [N, K] with K contiguous, so the vector loads 
 warps once BLOCK_K passes one warp's reach). A ``tl.sum`` over K every step costs 5 shuffle rounds per row and N-row a
 thread holds (plus a shared-memory round trip when warps span K) for only 8 (fp16) or 16 (uint8) FMAs: at M = 8 that
 is ~40 lane-shuffles per clock per SM at 4.3 TB/s, over the ~32 an SM issues (an estimate, not measured). So each row
-by default keeps an elementwise fp32 accumulator shaped like the tile and reduces over K once, in the epilogue: no
-cross-lane work in the loop. That costs M_PAD * BLOCK_N * BLOCK_K / threads registers; past ``DEFER_MAX_REGS`` per
-thread the kernel reduces each step instead (``DEFER`` constexpr, from ``defers_reduction``) and keeps one [BLOCK_N]
-vector per row. Rows are separate named accumulators rather than one [M_PAD, BLOCK_N, BLOCK_K] tensor, so every
-tensor in the loop has the weight tile's shape and layout. Each x row is loaded as its K slice broadcast to the tile's
-shape: Triton's coalescing then gives the x load the weight load's layout (both uint8 and fp16 weights), where a
-[BLOCK_K] x load went through shared memory with a barrier, once per row per step. Compiled for sm90 (on a CPU, no GPU
-run yet): no layout conversion, barrier or shuffle in the loop of a deferred variant, no spills in any probe variant.
-The price is that a thread re-reads its x slice (an L1 hit) for every weight row it holds; per-step variants whose K
-span crosses warps (fp16 BLOCK_K > 256 at 4 warps) reduce through shared memory every step.
+by default keeps an fp32 accumulator [BLOCK_N, BLOCK_K / VEC]: every step a thread sums the VEC products of its own
+128-bit weight load (VEC = 16 bytes of a nested plane, 8 fp16) in registers and adds them in; the cross-lane
+reduction over K runs once, in the epilogue. Compiled for sm90, that took the one-row weight-only kernel from 64
+registers (a whole-tile accumulator) to 30, full mode 73 -> 40, plain 97 -> 64, with no shuffle in the loop
+(benchmarks/kernels/compile_report.py). Past ``DEFER_MAX_REGS`` accumulator registers per thread the kernel reduces
+each step instead (``DEFER`` constexpr, from ``defers_reduction``) and keeps one [BLOCK_N] vector per row.
+Rows are separate named accumulators rather than one [M_PAD, BLOCK_N, BLOCK_K] tensor, so every tensor in the loop
+has the weight tile's shape and layout. Each x row is loaded as its K slice broadcast to the tile's shape: Triton's
+coalescing then gives the x load the weight load's layout (both uint8 and fp16 weights), where a [BLOCK_K] x load went
+through shared memory with a barrier, once per row per step. Compiled for sm90: no layout conversion, barrier or
+shuffle in the loop of a deferred variant, no spills in any probe variant. The price is that a thread re-reads its x
+slice (an L1 hit) for every weight row it holds; per-step variants whose K span crosses warps (fp16 BLOCK_K > 256 at 4
+warps) reduce through shared memory every step.
 
 Split-K writes fp32 partials [SPLIT_K, M, N] that ``nested_gemm.reduce_split_k`` sums (+ bias). Registered op:
 ``elastiserve::skinny_linear(x, weight, bias)`` (plain fp16); the nested modes are reached through
@@ -47,7 +50,8 @@ DEFER_MAX_REGS = 64  # fp32 accumulator registers per thread for the deferred (e
 
 
 @triton.jit
-def _row_fma(acc, w, x_ptr, row, M, K, offs_k, stride_xm, stride_xk, EVEN_K: tl.constexpr, DEFER: tl.constexpr):
+def _row_fma(acc, w, x_ptr, row, M, K, offs_k, stride_xm, stride_xk, EVEN_K: tl.constexpr, DEFER: tl.constexpr,
+             VEC: tl.constexpr):
     # Rows past M read row M - 1 (valid memory; the epilogue never stores them), so the x loads need no row mask.
     # Broadcast to the tile's shape so the load takes the weight tile's layout (module docstring).
     x_row = tl.broadcast_to(x_ptr + tl.minimum(row, M - 1) * stride_xm + offs_k[None, :] * stride_xk, w.shape)
@@ -57,15 +61,16 @@ def _row_fma(acc, w, x_ptr, row, M, K, offs_k, stride_xm, stride_xk, EVEN_K: tl.
         x = tl.load(x_row, mask=tl.broadcast_to((offs_k < K)[None, :], w.shape), other=0.0)
     prod = w * x.to(tl.float32)
     if DEFER:  # (if/else, not an early return: the compiler checks every return's shape against the first)
-        return acc + prod  # [BLOCK_N, BLOCK_K]: reduced over K once, in _store_row
+        # Each thread's VEC contiguous K elements (one 128-bit weight load) summed in registers: no lane crosses.
+        return acc + tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1] // VEC, VEC)), axis=2)
     else:
         return acc + tl.sum(prod, axis=1)  # [BLOCK_N]
 
 
 @triton.jit
-def _zero_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEFER: tl.constexpr):
+def _zero_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEFER: tl.constexpr, VEC: tl.constexpr):
     if DEFER:
-        return tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        return tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
     else:
         return tl.zeros((BLOCK_N,), dtype=tl.float32)
 
@@ -98,7 +103,9 @@ def _skinny_gemm_kernel(
     MODE: tl.constexpr, NESTING: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,  # SPLIT_K > 1; a bool rather than the split count, so every split shares one compile
     EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr, DEFER: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,  # weight elements in one 128-bit load (vector_width): the accumulator's K grouping
+    PDL: tl.constexpr = False,
 ):
     wait_for_prior_grid(PDL)
     pid_k = tl.program_id(1)
@@ -106,14 +113,14 @@ def _skinny_gemm_kernel(
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
     # One accumulator per row (Triton has no register arrays); rows >= M_PAD stay untouched and are dead code.
-    acc0 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
-    acc1 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
-    acc2 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
-    acc3 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
-    acc4 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
-    acc5 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
-    acc6 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
-    acc7 = _zero_acc(BLOCK_N, BLOCK_K, DEFER)
+    acc0 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
+    acc1 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
+    acc2 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
+    acc3 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
+    acc4 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
+    acc5 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
+    acc6 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
+    acc7 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
     for kk in range(0, k_per_split, BLOCK_K):
         offs_k = k_start + kk + tl.arange(0, BLOCK_K)
         if EVEN_K:  # no K mask: keeps the loads fully vectorized
@@ -123,17 +130,17 @@ def _skinny_gemm_kernel(
         w = load_weight_tile(w_ptr, lower_ptr, offs_n, offs_k, stride_wn, stride_wk, stride_ln, stride_lk, w_mask,
                              MODE, NESTING, False, PTX_DECODE)  # MODE PLAIN loads the fp16 weight as it is
         w = w.to(tl.float32)
-        acc0 = _row_fma(acc0, w, x_ptr, 0, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+        acc0 = _row_fma(acc0, w, x_ptr, 0, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER, VEC)
         if M_PAD > 1:
-            acc1 = _row_fma(acc1, w, x_ptr, 1, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+            acc1 = _row_fma(acc1, w, x_ptr, 1, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER, VEC)
         if M_PAD > 2:
-            acc2 = _row_fma(acc2, w, x_ptr, 2, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-            acc3 = _row_fma(acc3, w, x_ptr, 3, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+            acc2 = _row_fma(acc2, w, x_ptr, 2, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER, VEC)
+            acc3 = _row_fma(acc3, w, x_ptr, 3, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER, VEC)
         if M_PAD > 4:
-            acc4 = _row_fma(acc4, w, x_ptr, 4, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-            acc5 = _row_fma(acc5, w, x_ptr, 5, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-            acc6 = _row_fma(acc6, w, x_ptr, 6, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
-            acc7 = _row_fma(acc7, w, x_ptr, 7, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER)
+            acc4 = _row_fma(acc4, w, x_ptr, 4, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER, VEC)
+            acc5 = _row_fma(acc5, w, x_ptr, 5, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER, VEC)
+            acc6 = _row_fma(acc6, w, x_ptr, 6, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER, VEC)
+            acc7 = _row_fma(acc7, w, x_ptr, 7, M, K, offs_k, stride_xm, stride_xk, EVEN_K, DEFER, VEC)
 
     out_ptr += pid_k * stride_os
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -152,9 +159,16 @@ def _skinny_gemm_kernel(
         _store_row(acc7, 7, out_ptr, bias, offs_n, mask_n, M, stride_om, stride_on, w_scale, DEFER, PARTIAL)
 
 
-def defers_reduction(config: SkinnyConfig, m_pad: int) -> bool:
-    """Whether the M_PAD row accumulators fit as full tiles in ``DEFER_MAX_REGS`` fp32 registers per thread."""
-    return m_pad * config.block_n * config.block_k <= DEFER_MAX_REGS * 32 * config.num_warps
+def vector_width(mode: str) -> int:
+    """Weight elements in one 128-bit load: 8 fp16 (plain) or 16 bytes of a nested plane."""
+    return 8 if mode == "plain" else 16
+
+
+def defers_reduction(config: SkinnyConfig, m_pad: int, mode: str) -> bool:
+    """Whether the M_PAD rows' accumulators ([BLOCK_N, BLOCK_K / vector_width] fp32 each) fit in ``DEFER_MAX_REGS``
+    registers per thread."""
+    tile = config.block_n * config.block_k // vector_width(mode)
+    return m_pad * tile <= DEFER_MAX_REGS * 32 * config.num_warps
 
 
 def _check_inputs(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:
@@ -194,8 +208,9 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
         w_scale,
         MODE=MODE_IDS[mode], NESTING=nesting, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        EVEN_K=k % (config.block_k * split) == 0, PTX_DECODE=config.ptx_decode, DEFER=defers_reduction(config, m_pad),
-        M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=k % (config.block_k * split) == 0, PTX_DECODE=config.ptx_decode,
+        DEFER=defers_reduction(config, m_pad, mode), M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        VEC=vector_width(mode),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
     )
     if split > 1:
