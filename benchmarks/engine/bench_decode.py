@@ -267,6 +267,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fp8-min-rows-quantized-long", type=int, default=None,
                    help="the same for rows longer than QUANT_SHORT_K, down_proj's "
                         "(nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT); default: the table's")
+    p.add_argument("--fp8-one-row-min-n", type=int, default=None,
+                   help="one-row quantized-input layers narrower than this run weight-only "
+                        "(nested_gemm.FP8_ONE_ROW_MIN_N); default: the table's")
     p.add_argument("--fp8-min-rows", type=int, default=None,
                    help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
     p.add_argument("--split-quant-max-rows", type=int, default=None,
@@ -294,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overrides = [(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, args.fp8_min_rows_quantized),
                  (nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, args.fp8_min_rows_quantized_long),
                  (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
-                 (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows)]
+                 (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
+                 (nested_gemm.FP8_ONE_ROW_MIN_N, args.fp8_one_row_min_n)]
     saved = [dict(table) for table, _ in overrides]
     for table, value in overrides:  # before any graph is captured: the routing is baked into them
         if value is not None:

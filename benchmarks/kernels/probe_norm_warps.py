@@ -1,5 +1,5 @@
 """One-shot GPU probe: the decode step's fused add + RMSNorm, plain (full mode) and quantizing (fast mode), at 4, 8
-and 16 warps a program (``rms_norm._num_warps`` gives 16 at Llama-8B's 4,096 columns).
+and 16 warps a program (``rms_norm._num_warps`` gives 4 plain and 16 quantizing at Llama-8B's 4,096 columns).
 
 Why: at batch 1 the quantizing norms cost 35 us a step more than the plain ones on the H200 (session 21's PDL-off
 profile, 65 calls), more than the 26 us batch-1 fast mode is short of 1.6x full. One program holds the row; the
@@ -45,7 +45,7 @@ def _inputs(rows: int, seed: int):
 def _with_warps(warps: int | None, fn):
     default = rms_norm._num_warps
     if warps is not None:  # the launcher's rule, replaced for this probe only
-        rms_norm._num_warps = lambda block: warps
+        rms_norm._num_warps = lambda block, quant=False: warps
     try:
         return fn()
     finally:

@@ -33,4 +33,4 @@ def test_the_warp_rule_is_restored(probe):
     assert probe._with_warps(4, lambda: rms_norm._num_warps(4096)) == 4
     with pytest.raises(RuntimeError):
         probe._with_warps(8, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
-    assert rms_norm._num_warps is default and default(4096) == 16
+    assert rms_norm._num_warps is default and default(4096) == 4 and default(4096, quant=True) == 16

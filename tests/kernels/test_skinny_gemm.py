@@ -186,7 +186,7 @@ def test_rejects_bad_inputs(device):
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_n=24, block_k=32), dict(block_n=16, block_k=8),
-                                    dict(block_n=64, block_k=512), dict(block_n=16, block_k=32, split_k=0),
+                                    dict(block_n=64, block_k=1024), dict(block_n=16, block_k=32, split_k=0),
                                     dict(block_n=16, block_k=32, num_warps=3)])
 def test_config_validation(kwargs):
     with pytest.raises(ConfigError):
@@ -204,7 +204,7 @@ def test_skinny_routing_follows_the_measured_table():
                 routed = configs.choose_skinny(arch, mode, m, 4096, 4096, 132)
                 expected = arch == "cpu" or (arch == "sm90" and m <= sm90[mode])
                 assert (routed is not None) == expected, (arch, mode, m)
-    assert configs.choose_skinny("sm90", "full", 1, 6144, 4096, 132) == SkinnyConfig(8, 512, 4, 3, 1, True)
+    assert configs.choose_skinny("sm90", "full", 1, 6144, 4096, 132) == SkinnyConfig(8, 2048, 8, 3, 1, True)
     assert configs.choose_skinny("sm90", "plain", 1, 6144, 4096, 132).ptx_decode is False
     assert configs.choose_skinny("cpu", "fp8", 1, 64, 64, 2) is None
     assert configs.choose_skinny("cpu", "full", 9, 64, 64, 2) is None

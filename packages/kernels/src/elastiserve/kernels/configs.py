@@ -302,13 +302,19 @@ SKINNY_MAX_M: dict[str, dict[str, int]] = {
     "sm90": {"plain": 1, "full": 2, "weight_only": 1}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
     "cpu": dict.fromkeys(SKINNY_MODES, SKINNY_MAX_ROWS),
 }
-# sm90 tiles: per mode and M, the candidate with the best geomean over the four shapes, relative to each shape's best
-# candidate, in the same probe: 1.02-1.03x of the per-shape best (worst shape 1.06x).
+# sm90 tiles since the per-load accumulators (session 22, benchmarks/kernels/results/h200-skinny-vec-s22-m{1,2}.json:
+# qkv / o / gate_up / down of Llama-3.1-8B, graph replay past the L2, one run), per mode and M the tile with the best
+# geomean over the four shapes; us per call (the session-21 tile on the same kernel in brackets):
+# - weight-only, 1 row, 16x2048 at 16 warps: 9.0 / 6.3 / 33.6 / 16.8 (8x1024x8: 10.4 / 7.3 / 33.7 / 20.7; the old
+#   whole-tile-accumulator kernel's best, 6.61 on o and 17.79 on down, session 21);
+# - full, 1 row, 8x2048 at 8 warps: 14.1 / 10.3 / 55.3 / 29.8 (8x512x4: 15.9 / 10.2 / 54.9 / 31.1);
+# - full, 2 rows, 8x1024 at 8 warps: 15.4 / 10.7 / 58.6 / 29.9 (8x512x4: 17.2 / 11.0 / 56.4 / 32.5);
+# - plain, 1 row, 4x4096 at 16 warps: 13.2 / 9.5 / 54.3 / 30.7 (16x1024x8: 15.9 / 9.6 / 56.1 / 30.1), gate_up 4.33 TB/s.
 _SKINNY_SM90 = {
-    ("plain", 1): SkinnyConfig(16, 1024, num_warps=8, num_stages=3),
-    ("full", 1): SkinnyConfig(8, 512, num_warps=4, num_stages=3),
-    ("full", 2): SkinnyConfig(8, 512, num_warps=4, num_stages=3),
-    ("weight_only", 1): SkinnyConfig(8, 1024, num_warps=8, num_stages=3),
+    ("plain", 1): SkinnyConfig(4, 4096, num_warps=16, num_stages=3),
+    ("full", 1): SkinnyConfig(8, 2048, num_warps=8, num_stages=3),
+    ("full", 2): SkinnyConfig(8, 1024, num_warps=8, num_stages=3),
+    ("weight_only", 1): SkinnyConfig(16, 2048, num_warps=16, num_stages=3),
 }
 # Untimed GPU starting point (128-bit loads, 4-8 KB of weight per step); the interpreter takes small tiles. num_stages
 # is kept for the launch, but Triton 3.6 does not pipeline this loop (no tl.dot: 0 async copies at 1, 3 or 6 stages,

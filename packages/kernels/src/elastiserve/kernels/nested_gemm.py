@@ -66,6 +66,9 @@ FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
 # side by side: batch-1 fast step 2.973 -> 2.860 ms (h200-llama8b-decode-s20-call2-*.json). From two rows fp8 wins:
 # weight-only there made the step slower (3.107 -> 3.435 ms at batch 2 with o_proj's rows, s20-call3-*.json).
 FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
+# At one row, quantized-input layers narrower than this many output columns keep the weight-only kernel on fp16 rows
+# (so the norm before them stays plain, 1.2 us against the quantizing one's 1.8): 0 on sm90, every width takes fp8.
+FP8_ONE_ROW_MIN_N = {"sm90": 0}
 
 
 @triton.jit
@@ -265,13 +268,16 @@ def reduce_split_k(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
         BLOCK=block, num_warps=4, **pdl_options())
 
 
-def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = False, k: int = 0) -> str:
+def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = False, k: int = 0, n: int = 0) -> str:
     """Which fast-mode kernel this platform runs for an M-row input (``grouped``: the MoE GEMM's rows;
-    ``quantized_input``: rows of ``k`` values a quantizing norm or SiLU-and-mul would hand over as ``Fp8Rows``)."""
+    ``quantized_input``: rows of ``k`` values a quantizing norm or SiLU-and-mul would hand over as ``Fp8Rows`` to a
+    layer of ``n`` output columns)."""
     platform = current_platform()
     table = FP8_MIN_M
     if quantized_input:
         table = FP8_MIN_M_QUANTIZED_LONG_INPUT if k > QUANT_SHORT_K else FP8_MIN_M_QUANTIZED_INPUT
+        if m == 1 and n < FP8_ONE_ROW_MIN_N.get(platform.arch, 0):
+            table = FP8_MIN_M
     min_m = 1 if grouped else table.get(platform.arch, 1)
     if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= min_m:
         return "fp8"

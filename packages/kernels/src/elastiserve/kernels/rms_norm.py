@@ -108,9 +108,12 @@ def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return t, t.stride(0), t.stride(1), t.shape[1]
 
 
-def _num_warps(block: int) -> int:
-    # Enough lanes to keep each thread at ~8 fp16 elements of the row; capped at what the vendor allows.
-    return max(1, min(block // 256, current_platform().max_num_warps))
+def _num_warps(block: int, quant: bool = False) -> int:
+    # The plain norm keeps each thread at ~32 fp16 elements of the row, the quantizing one at ~8 (its second block
+    # reduction, for the scale, is cheaper spread thin). Fused add + norm of 4,096 columns at 1-4 rows on the H200
+    # (session 22, benchmarks/kernels/results/h200-norm-warps-s22.json, 64 calls in a graph): plain 1.13-1.19 us at
+    # 4 warps against 1.24-1.26 at 16; quantizing 1.77-1.84 us at 16 warps against 2.47-2.56 at 4.
+    return max(1, min(block // (256 if quant else 1024), current_platform().max_num_warps))
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -137,7 +140,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(num_rows,)](
         out, q, scale, residual_out, x, residual if has_residual else x, weight.contiguous(),
         sxo, sxi, sro, sri, rows_inner, n_cols, eps,
-        HAS_RESIDUAL=has_residual, QUANT=quant, **fp8_constants(fnuz), BLOCK=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=has_residual, QUANT=quant, **fp8_constants(fnuz), BLOCK=block, num_warps=_num_warps(block, quant),
         **pdl_options(),
     )  # fmt: skip
     return out, residual_out
