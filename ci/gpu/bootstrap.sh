@@ -54,3 +54,11 @@ moe_table() {
   python3 benchmarks/serving/headline.py --setting moe --out $OUT/moe --summarize > $OUT/moe-table.txt 2>&1
   cat $OUT/moe-table.txt
 }
+
+# The decode table (roofline, fast/full at batches 1-32, Llama-3.1-8B shapes) into $R/decode-NAME.{json,log}; prints
+# the table. The other arguments go to bench_decode.py (routing overrides such as --fp8-min-rows).
+decode_table() {  # NAME [bench_decode.py arguments...]
+  timeout ${DECODE_LIMIT:-150} python3 benchmarks/engine/bench_decode.py --parts roofline fast_full \
+    --batch 1 2 4 8 16 32 --kv-gib 12 --iters 30 --trials 5 --out $R/decode-$1.json "${@:2}" > $R/decode-$1.log 2>&1
+  echo "== decode $1"; sed -n "/^(a)/,/^results/p" $R/decode-$1.log
+}

@@ -7,13 +7,8 @@ source ci/gpu/bootstrap.sh
 set +e
 start_round
 R=$OUT/r; mkdir -p $R
-bench() {  # NAME [bench_decode options]
-  timeout 150 python3 benchmarks/engine/bench_decode.py --parts roofline fast_full --batch 1 2 4 8 16 32 \
-    --kv-gib 12 --iters 30 --trials 5 --out $R/decode-$1.json "${@:2}" > $R/decode-$1.log 2>&1
-  echo "== decode $1"; sed -n "/^(a)/,/^results/p" $R/decode-$1.log
-}
-bench final
-bench o-proj-fp8 --fp8-min-rows 2
+decode_table final
+decode_table o-proj-fp8 --fp8-min-rows 2
 cp $OUT/gpus.txt $R/; tar czf $OUT/results.tgz -C $OUT r && rm -rf $R
 (time timeout $((540 - SECONDS)) nox -s test-cuda -- tests/kernels) > $OUT/test-cuda-kernels.log 2>&1
 grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-kernels.log | tail -12

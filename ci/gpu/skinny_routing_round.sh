@@ -14,17 +14,12 @@ R=$OUT/r; mkdir -p $R
 timeout 120 python3 benchmarks/kernels/bench_nested_gemm.py --m 1 --no-moe --shapes llama3.1-8b.qkv llama3.1-8b.o \
   llama3.1-8b.gate_up llama3.1-8b.down --out $R/gemm-m1.json > $R/gemm-m1.log 2>&1
 grep -v "^$" $R/gemm-m1.log | tail -14
-bench() {  # NAME [bench_decode options]
-  timeout 120 python3 benchmarks/engine/bench_decode.py --parts roofline fast_full --batch 1 2 4 8 16 32 \
-    --kv-gib 12 --iters 30 --trials 5 --out $R/decode-$1.json "${@:2}" > $R/decode-$1.log 2>&1
-  echo "== decode $1"; sed -n "/^(a)/,/^results/p" $R/decode-$1.log
-}
-bench tiles
-bench qkv-weight-only --fp8-one-row-min-n 16384
-bench one-row-weight-only --fp8-min-rows-quantized 2
+decode_table tiles
+decode_table qkv-weight-only --fp8-one-row-min-n 16384
+decode_table one-row-weight-only --fp8-min-rows-quantized 2
 mkdir -p /tmp/new && for f in $(cd .carry/old && find . -type f); do mkdir -p /tmp/new/$(dirname $f); cp $f /tmp/new/$f; done
 cp -r .carry/old/. .
-bench baseline
+decode_table baseline
 cp -r /tmp/new/. .
 cp $OUT/gpus.txt $R/; tar czf $OUT/results.tgz -C $OUT r && rm -rf $R
 (time timeout $((585 - SECONDS)) nox -s test-cuda -- tests/control tests/engine tests/memory tests/platforms) \
