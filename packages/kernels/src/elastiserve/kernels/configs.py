@@ -297,11 +297,9 @@ class SkinnyConfig:
 # graphs over weights past the L2): at M = 1 the skinny kernel beat cuBLAS fp16 on every shape in every mode (plain
 # 1.04-1.26x, full 1.06-1.30x, weight-only 1.67-1.87x) and the tl.dot nested kernel (full 1.18-1.26x, weight-only
 # 1.20-1.53x); at M = 2 only full mode still beat the tl.dot kernel on all four (1.05-1.11x); from M = 4 it lost.
-# Session 22's per-load accumulators made weight-only two rows skinny too (o_proj 8.6 us against the tl.dot
-# weight-only kernel's 10.3 and session 18's quantizer + fp8 9.97; nested_gemm.FP8_MIN_M). Other GPU archs are not
-# timed: empty. The interpreter takes every M so the CPU tests reach it through the dispatch.
+# Other GPU archs are not timed: empty. The interpreter takes every M so the CPU tests reach it through the dispatch.
 SKINNY_MAX_M: dict[str, dict[str, int]] = {
-    "sm90": {"plain": 1, "full": 2, "weight_only": 2}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
+    "sm90": {"plain": 1, "full": 2, "weight_only": 1}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
     "cpu": dict.fromkeys(SKINNY_MODES, SKINNY_MAX_ROWS),
 }
 # sm90 tiles since the per-load accumulators (session 22, benchmarks/kernels/results/h200-skinny-vec-s22-m{1,2}.json:
@@ -311,9 +309,7 @@ SKINNY_MAX_M: dict[str, dict[str, int]] = {
 #   whole-tile-accumulator kernel's best, 6.61 on o and 17.79 on down, session 21);
 # - full, 1 row, 8x2048 at 8 warps: 14.1 / 10.3 / 55.3 / 29.8 (8x512x4: 15.9 / 10.2 / 54.9 / 31.1);
 # - full, 2 rows, 8x1024 at 8 warps: 15.4 / 10.7 / 58.6 / 29.9 (8x512x4: 17.2 / 11.0 / 56.4 / 32.5);
-# - plain, 1 row, 4x4096 at 16 warps: 13.2 / 9.5 / 54.3 / 30.7 (16x1024x8: 15.9 / 9.6 / 56.1 / 30.1), gate_up 4.33 TB/s;
-# - weight-only, 2 rows, for o_proj (the one layer that takes it, nested_gemm.FP8_MIN_M), 4x2048 at 8 warps: 8.6 us
-#   (8x512x4 and 8x1024x8: 8.8).
+# - plain, 1 row, 4x4096 at 16 warps: 13.2 / 9.5 / 54.3 / 30.7 (16x1024x8: 15.9 / 9.6 / 56.1 / 30.1), gate_up 4.33 TB/s.
 # Weight-only layers of SKINNY_WIDE_N columns or more (gate_up) take _SKINNY_SM90_WIDE: 31.3 us against 33.6, and
 # torch._scaled_mm's 32.5 in session 22's GEMM table.
 _SKINNY_SM90 = {
@@ -321,7 +317,6 @@ _SKINNY_SM90 = {
     ("full", 1): SkinnyConfig(8, 2048, num_warps=8, num_stages=3),
     ("full", 2): SkinnyConfig(8, 1024, num_warps=8, num_stages=3),
     ("weight_only", 1): SkinnyConfig(16, 2048, num_warps=16, num_stages=3),
-    ("weight_only", 2): SkinnyConfig(4, 2048, num_warps=8, num_stages=3),
 }
 SKINNY_WIDE_N = 16384
 _SKINNY_SM90_WIDE = {("weight_only", 1): SkinnyConfig(16, 1024, num_warps=8, num_stages=3)}

@@ -51,10 +51,10 @@ MODE_IDS = {"full": FULL, "weight_only": WEIGHT_ONLY, "fp8": FP8}
 # (h200-nested-gemm-s16.json, side by side: qkv 12.9 vs 13.1 us, o 10.5 vs 10.6, gate_up 39.0 vs 42.4, down 24.7 vs
 # 28.7, Qwen3 gate_up 29.3 vs 35.6, down 22.9 vs 26.3). Both run a 16-row token tile from 2 rows on, so that holds
 # from 2 rows; one row keeps the skinny weight-only kernel (1.58-1.84x fp16). The grouped MoE GEMM: fp8 from row 1.
-# Since session 22's per-load accumulators the skinny weight-only kernel also takes two rows (o_proj, 4096 x 4096:
-# 8.6 us, h200-skinny-vec-s22-m2.json, against 9.97 for the quantizer + fp8 in session 18's table), so sm90's fp16
-# rows take fp8 from three.
-FP8_MIN_M = {"sm90": 3}
+# Session 22 timed the skinny weight-only kernel at two rows against it, side by side (GEMM table,
+# benchmarks/kernels/results/h200-nested-gemm-s22-m12.json): o_proj 8.6 vs 8.7 us, but qkv 11.7 vs 10.0 and gate_up
+# 45.8 vs 31.5; the engine's batch-2 fast step with o_proj on it was 2.765 ms against 2.767 (same call). Kept at 2.
+FP8_MIN_M = {"sm90": 2}
 # The same threshold for rows that arrive already quantized (``Fp8Rows`` from a quantizing norm or SiLU-and-mul),
 # where fp8 costs no quantizer launch: one row on sm90. Session 18's GEMM table at one row, side by side on the H200
 # (benchmarks/kernels/results/h200-nested-gemm-s18.json): fp8 on quantized rows against the skinny weight-only kernel,
