@@ -67,20 +67,56 @@ def facts(kernel, arch: int, threads: int) -> dict:
             "async_copies": kernel.asm["ttgir"].count("async_copy_global_to_local"), "ptx_ops": ops}
 
 
-def gemm_report(arch: int) -> list[dict]:
+def compile_gemm(mode: str, config: configs.GemmConfig, arch: int, merge: bool = False):
+    """``_nested_gemm_kernel`` as the launcher specializes it for ``config`` (16-aligned sizes, no bias); ``merge``:
+    the split-K partials summed in the launch (``nested_gemm.SPLIT_K_MERGE``)."""
+    fn = nested_gemm._nested_gemm_kernel
     types = {"x_ptr": "*fp16", "x_scale_ptr": "*fp32", "upper_ptr": "*u8", "lower_ptr": "*u8", "bias_ptr": "*fp16",
-             "out_ptr": "*fp32", "w_scale": "fp32"}
+             "out_ptr": "*fp32", "final_ptr": "*fp16", "counters_ptr": "*i32", "w_scale": "fp32"}
+    if mode == "fp8":
+        types.update({"x_ptr": "*fp8e4nv", "upper_ptr": "*fp8e4nv"})
+    types.update({n: "i32" for n in fn.arg_names if n not in types})
+    const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": nested_gemm.MODE_IDS[mode],
+             "NESTING": 1, "FNUZ": False, "HAS_BIAS": False, "SPLIT_K": config.split_k, "SWAP_AB": config.swap_ab,
+             "EVEN_K": True, "PTX_DECODE": config.ptx_decode, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+             "BLOCK_K": config.block_k, "GROUP_M": config.group_m, "MERGE": merge}
+    return compile_kernel(fn, types, const, config.num_warps, config.num_stages, arch)
+
+
+def merge_order(ptx: str) -> dict[str, list[int]]:
+    """Offsets in the kernel body of every atomic (all, and acq_rel adds at gpu scope), barrier, global store and
+    global load: what an in-launch merge's ordering (arrivals.py) is checked against."""
+    body = ptx[ptx.index(".entry"):]
+    at = lambda pattern: [m.start() for m in re.finditer(pattern, body)]  # noqa: E731
+    return {"atomics": at(r"atom\."), "acq_rel": at(r"atom\.global\.gpu\.acq_rel\.add"), "barriers": at(r"bar\.sync"),
+            "stores": at(r"st\.global"), "loads": at(r"ld\.global")}
+
+
+def merge_problems(ptx: str) -> list[str]:
+    """What breaks arrivals.py's ordering in a compiled in-launch merge (empty: none): one acq_rel atomic add at gpu
+    scope and no other atomic, a CTA barrier between the last partial store and it, and one between it and the
+    merge's first load (the atomic's result reaches every thread through shared memory)."""
+    found = merge_order(ptx)
+    if found["atomics"] != found["acq_rel"] or len(found["acq_rel"]) != 1:
+        return [f"expected one acq_rel atomic and no other, found {found['atomics']} / {found['acq_rel']}"]
+    atomic = found["acq_rel"][0]
+    stores, loads = [at for at in found["stores"] if at < atomic], [at for at in found["loads"] if at > atomic]
+    if not stores or not loads:
+        return ["no partial store before the atomic or no merge load after it"]
+    problems = []
+    if not any(max(stores) < at < atomic for at in found["barriers"]):
+        problems.append("no barrier between the last partial store and the atomic")
+    if not any(atomic < at < min(loads) for at in found["barriers"]):
+        problems.append("no barrier between the atomic and the merge's first load")
+    return problems
+
+
+def gemm_report(arch: int) -> list[dict]:
     rows = []
     for mode, ptx_decode in (("full", False), ("full", True), ("weight_only", False), ("weight_only", True),
                              ("fp8", False)):
         config = replace(configs.choose_config(f"sm{arch}", mode, 1, 6144, 4096, 132), ptx_decode=ptx_decode)
-        t = dict(types, **({"x_ptr": "*fp8e4nv", "upper_ptr": "*fp8e4nv"} if mode == "fp8" else {}))
-        t.update({n: "i32" for n in nested_gemm._nested_gemm_kernel.arg_names if n not in t})
-        const = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "MODE": nested_gemm.MODE_IDS[mode],
-                 "NESTING": 1, "FNUZ": False, "HAS_BIAS": False, "SPLIT_K": config.split_k,
-                 "SWAP_AB": config.swap_ab, "EVEN_K": True, "PTX_DECODE": ptx_decode, "BLOCK_M": config.block_m,
-                 "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": config.group_m}
-        kernel = compile_kernel(nested_gemm._nested_gemm_kernel, t, const, config.num_warps, config.num_stages, arch)
+        kernel = compile_gemm(mode, config, arch)
         row = {"kernel": "nested_gemm", "mode": mode, "ptx_decode": ptx_decode, "M": 1, "N": 6144, "K": 4096,
                "config": repr(config), **facts(kernel, arch, 32 * config.num_warps)}
         rows.append(row)

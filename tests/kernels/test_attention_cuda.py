@@ -11,7 +11,7 @@ import pytest
 import torch
 from attention_cases import LAYER, build_batch, metadata, run_attention
 
-from elastiserve.kernels import attention
+from elastiserve.kernels import arrivals
 from elastiserve.kernels.attention import paged_attention, split_counters
 from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, STRUCTURED_SPLIT
 
@@ -121,12 +121,12 @@ def test_cuda_graph_of_two_split_calls_replays_twice(path, grow_in_capture, monk
         two_layers()  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     if grow_in_capture:
-        monkeypatch.setattr(attention, "_split_counters", {})
+        monkeypatch.setattr(arrivals, "_counters", {})
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = two_layers()
     if grow_in_capture:
-        assert not attention._split_counters, "counters zeroed inside a capture must not be cached"
+        assert not arrivals._counters, "counters zeroed inside a capture must not be cached"
     # Shorter contexts than built (the blocks stay allocated), every BASE pair keeping both its blocks.
     for seq_lens in ([1, 20, 33, 64, 99, 130, 190, 250, 280, 320], [1, 32, 30, 50, 100, 129, 200, 240, 290, 310]):
         batch.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))

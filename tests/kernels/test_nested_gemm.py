@@ -9,7 +9,12 @@ full mode and its references in both fast modes; the activation quantizer is bit
 (M not a multiple of the tile), real Llama sizes on CUDA.
 """
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +117,54 @@ def test_tile_variants_agree(device, mode):
     for config in variants:
         y = nested_gemm.nested_gemm(x, upper, lower, b, Nesting.E4M3, mode, config=config)
         assert _rel_err(y, base) < 1e-2, config
+
+
+@pytest.mark.parametrize("mode", ["full", "fp8"])
+def test_split_k_merged_in_the_launch_equals_the_reduce_kernel(device, mode, monkeypatch):
+    """The last split of each tile sums the partials in split order, as the reduce kernel does: bit-equal outputs
+    (with bias, a ragged M and N, more tiles than one), arrival counters back at zero after every call, and a second
+    call with other inputs (the next layer) still right."""
+    from elastiserve.kernels import arrivals
+    from elastiserve.platforms import current_platform
+
+    arch = current_platform().arch
+    reduce, reduced = nested_gemm.reduce_split_k, []
+    monkeypatch.setattr(nested_gemm, "reduce_split_k", lambda *args: reduced.append(1) or reduce(*args))
+    m, n, k = (5, 48, 96) if device.type == "cpu" else (16, 6144, 14336)
+    configs = [GemmConfig(16, 16, 32, split_k=2), GemmConfig(16, 32, 32, split_k=3, swap_ab=False)]
+    for seed, config in enumerate(configs):
+        x, _, b, upper, lower = _problem(m, n, k, Nesting.E4M3, device, seed=seed)
+        runs = {}
+        for merge in (False, True):
+            monkeypatch.setitem(nested_gemm.SPLIT_K_MERGE, arch, merge)
+            reduced.clear()
+            runs[merge] = nested_gemm.nested_gemm(x, upper, lower, b, Nesting.E4M3, mode, config=config)
+            assert len(reduced) == (0 if merge else 1)
+        assert torch.equal(runs[True], runs[False]), config
+        assert _rel_err(runs[True], nested_gemm.nested_linear_ref(x, upper, lower, b, Nesting.E4M3, mode)) < 1e-2
+        assert not arrivals.arrival_counters("nested_gemm", device, 1).any()
+
+
+COMPILE_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "compile_report.py"
+_MERGE_PTX = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+from elastiserve.kernels import configs
+down = configs.choose_config("sm90", "fp8", 2, 4096, 14336, 132)  # decode's split-K GEMM: down_proj, two splits
+print(json.dumps([down.split_k, report.merge_problems(report.compile_gemm("fp8", down, 90, merge=True).asm["ptx"])]))
+"""
+
+
+def test_split_k_merge_ptx_keeps_the_arrival_ordering():
+    """Compiled for sm90 (on the CPU, no GPU): the merged split-K epilogue of down_proj's decode tile orders its
+    partial stores, the acq_rel arrival and the merge's loads as arrivals.py's proof needs."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _MERGE_PTX, str(COMPILE_REPORT)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [2, []]
 
 
 def _prescaled_problem(m, n, k, device, seed=5):

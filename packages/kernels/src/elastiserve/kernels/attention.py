@@ -16,6 +16,7 @@ import math
 import torch
 import triton
 
+from elastiserve.kernels.arrivals import arrival_counters
 from elastiserve.kernels.attention_kernels import paged_attention_kernel
 from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, STRUCTURED_SPLIT
 from elastiserve.kernels.kv_ops import KVLayoutError, base_halves, check_kv_cache
@@ -34,35 +35,12 @@ MIN_PAIRS_PER_SPLIT = 8
 MAX_SPLITS = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
-MIN_SPLIT_COUNTERS = 8192  # int32 entries (32 KiB): batch 1,024 x 8 kv heads before the first growth
-
-# The arrival counters of the in-launch split merge, one int32 per (sequence, kv head): zero before and after every
-# launch (the merging program resets its own). One buffer per device, allocated eagerly and zeroed once; a captured
-# CUDA graph keeps its address and relies on it staying zero, so an outgrown buffer (32 KiB at first) is kept
-# alive, never freed. The engine warms every batch size up before capturing, so the buffer does not grow inside a
-# capture; if it has to, the call takes a temporary zeroed inside the capture instead (the graph replays that memset
-# before the kernel: correct, one memset node more; not cached, since outside replays its contents are undefined).
-# Launches that share a buffer must not overlap: attention calls on one device run in stream order (PDL included:
-# a grid's griddepcontrol.wait waits for the whole previous grid), never on two streams at once.
-_split_counters: dict[torch.device, torch.Tensor] = {}
-_outgrown_split_counters: list[torch.Tensor] = []
 
 
 def split_counters(device: torch.device, entries: int) -> torch.Tensor:
-    """int32 zeros of at least ``entries`` on ``device`` for ``paged_attention_kernel``'s ``counters_ptr``."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _split_counters.get(device)
-    if counters is not None and counters.numel() >= entries:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(entries, dtype=torch.int32, device=device)
-    if counters is not None:
-        _outgrown_split_counters.append(counters)
-    counters = torch.zeros(max(MIN_SPLIT_COUNTERS, triton.next_power_of_2(entries)), dtype=torch.int32, device=device)
-    _split_counters[device] = counters
-    return counters
+    """int32 zeros of at least ``entries`` on ``device`` for ``paged_attention_kernel``'s ``counters_ptr``, one per
+    (sequence, kv head) (``arrivals.arrival_counters``)."""
+    return arrival_counters("attention", device, entries)
 
 
 def choose_block_m(group_size: int, max_query_len: int) -> int:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from elastiserve.kernels.attention_merge import NEG_BIG, last_to_arrive, merge_partials
+from elastiserve.kernels.arrivals import last_to_arrive
+from elastiserve.kernels.attention_merge import NEG_BIG, merge_partials
 from elastiserve.kernels.launch import wait_for_prior_grid
 
 
@@ -189,7 +190,7 @@ def paged_attention_kernel(
     SPLIT_ALIGN: tl.constexpr, MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """With PARTIALS each program writes its split's (acc, max, sum) to slot SPLIT_BASE + split of its (sequence,
-    kv head); with MERGE the last program of a (sequence, kv head) to finish (``counters_ptr``, attention_merge.py)
+    kv head); with MERGE the last program of a (sequence, kv head) to finish (``counters_ptr``, arrivals.py)
     then merges the filled ones of its TOTAL_SPLITS slots into the output: decode in one launch."""
     wait_for_prior_grid(PDL)
     seq = tl.program_id(0)

@@ -5,23 +5,8 @@ looping over the splits, each slot's loads issued after the previous slot's arit
 a layer; merged in the launch, batch-1 attention at a 512-token context in a graph for 8,192 tokens (16 splits, 8
 filled) takes 5.1 us a call against 8.5 (H200, session 21, BENCHMARKS.md).
 
-The protocol: every program stores its partial, then :func:`last_to_arrive` counts it in on the counter of its
-(sequence, kv head): a CTA barrier, then one ``atomic_add(counter, 1, sem="acq_rel", scope="gpu")``. The program
-that reads ``ARRIVALS - 1`` merges (:func:`merge_partials`) and stores 0 back, so the counters
-(``attention.split_counters``) are zero before every launch and after it.
-
-Why the last program sees every partial (the PTX memory model; HSA's scoped model on ROCm says the same):
-
-- In each program the barrier (``bar.sync``) orders every thread's partial stores before the atomic, which one
-  thread issues: the stores happen before that thread's release.
-- A release at gpu scope is cumulative: it publishes the stores that happen before it, not only its own thread's.
-  Atomic adds on one counter form a release sequence, so the last program's acquire (the same atomic) reads a value
-  that every earlier program's release wrote into, and every store published by those releases happens before it.
-- Triton hands a scalar atomic's result to all threads through shared memory behind a barrier, so every thread's
-  merge loads come after the acquire (the sm90 PTX: ``atom.global.gpu.acq_rel.add``, then ``bar.sync``).
-
-No program waits for another, so nothing depends on which programs are resident (no deadlock at any grid size),
-and the CPU interpreter, which runs the programs one after another, finds the last one last.
+The protocol and why the last program sees every partial: ``arrivals.py`` (``last_to_arrive``); the counters are
+``attention.split_counters``, zero before every launch and after it.
 """
 
 from __future__ import annotations
@@ -31,16 +16,6 @@ import triton.language as tl
 
 NEG_BIG = tl.constexpr(-1.0e30)
 MERGE_ROWS_IN_FLIGHT = tl.constexpr(32)  # partial rows (of BLOCK_D fp32) the merge loads at once
-
-
-@triton.jit
-def last_to_arrive(counter_ptr, ARRIVALS: tl.constexpr):
-    """Count this program in at ``counter_ptr``; true in the last of the ARRIVALS programs that share the counter.
-    Call it after the stores the last program reads (the module docstring says why they are then visible). Triton's
-    sm90 lowering of a scalar atomic puts a barrier before it as well (the two compile to one ``bar.sync``); the
-    explicit one keeps the ordering from resting on that."""
-    tl.debug_barrier()
-    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1
 
 
 @triton.jit

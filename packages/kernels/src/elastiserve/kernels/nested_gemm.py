@@ -9,6 +9,9 @@ Modes (``MODE`` constexpr):
 Full and weight-only modes at decode sizes go to the GEMV-style kernel in ``skinny_gemm.py`` where
 ``configs.SKINNY_MAX_M`` routes (arch, mode, M) there and no explicit ``config`` was passed.
 
+Split-K configs sum their fp32 partials in ``_split_k_reduce_kernel``, or, where ``SPLIT_K_MERGE`` says so, in the
+GEMM launch itself: the last split of a tile to finish adds them up (``arrivals.py``), in the same order.
+
 A prescaled E4M3 layer (planes of ``w * 2^-weight_exp``) gets its ``2^weight_exp`` back in the epilogue: the fp32
 accumulator is multiplied by ``w_scale`` (a power of two, so exact) before the bias.
 
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 
 from elastiserve.kernels import configs, formats
+from elastiserve.kernels.arrivals import arrival_counters, last_to_arrive
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import (
     QUANT_SHORT_K,
@@ -72,18 +76,25 @@ FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
 # At one row, quantized-input layers narrower than this many output columns keep the weight-only kernel on fp16 rows
 # (so the norm before them stays plain, 1.2 us against the quantizing one's 1.8): 0 on sm90, every width takes fp8.
 FP8_ONE_ROW_MIN_N = {"sm90": 0}
+# Where the split-K partials are summed by the tile's last split inside the GEMM launch (arrivals.py) instead of by
+# _split_k_reduce_kernel: the reduce costs a launch, 36 us a batch-2 fast step on the H200 (down_proj's two splits,
+# session 22's profile, h200-decode-kernels-s22-pdl-off.json). The interpreter runs it so the CPU tests pin it; GPUs
+# keep the reduce kernel until it is timed there (ci/gpu/split_k_merge_round.sh).
+SPLIT_K_MERGE = {"cpu": True}
 
 
 @triton.jit
 def _nested_gemm_kernel(
     x_ptr, x_scale_ptr, upper_ptr, lower_ptr, bias_ptr, out_ptr,
+    final_ptr,  # [M, N] fp16 that the last split of a tile writes (MERGE); out_ptr then holds the fp32 partials
+    counters_ptr,  # int32 arrival counter per (M, N) tile (MERGE; arrivals.py), zero before and after the launch
     M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ln, stride_lk, stride_os, stride_om, stride_on,
     w_scale,
     MODE: tl.constexpr, NESTING: tl.constexpr, FNUZ: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
+    MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -146,6 +157,16 @@ def _nested_gemm_kernel(
         tl.store(out_ptr + out_off, acc.to(tl.float16), mask=out_mask)
     else:
         tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
+        if MERGE:  # noqa: SIM102 (a constexpr branch of its own: the atomic stays out of the unmerged compile)
+            if last_to_arrive(counters_ptr + pid, SPLIT_K):
+                # In split order, as _split_k_reduce_kernel adds them: the same fp32 sums, bit for bit.
+                total = tl.load(out_ptr + out_off, mask=out_mask, other=0.0)
+                for split in tl.static_range(1, SPLIT_K):
+                    total += tl.load(out_ptr + split * stride_os + out_off, mask=out_mask, other=0.0)
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                tl.store(final_ptr + out_off, total.to(tl.float16), mask=out_mask)
+                tl.store(counters_ptr + pid, 0)
 
 
 @triton.jit
@@ -242,11 +263,13 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
-    _nested_gemm_kernel[grid](
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    merge = split > 1 and bool(SPLIT_K_MERGE.get(platform.arch, False))
+    counters = arrival_counters("nested_gemm", x.device, tiles) if merge else out
+    _nested_gemm_kernel[(tiles, split)](
         x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only
         upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
-        bias if bias is not None else x, target,
+        bias if bias is not None else x, target, out, counters,
         m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
         x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
@@ -254,10 +277,10 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, HAS_BIAS=bias is not None,
         SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
         PTX_DECODE=config.ptx_decode,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, MERGE=merge,
         num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl_options(),
     )
-    if split > 1:
+    if split > 1 and not merge:
         reduce_split_k(target, bias, out)
     return out
 

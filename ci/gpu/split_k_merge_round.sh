@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call on a one-GPU host (~4 min), written in session 22, not run yet: the fp8 GEMM's split-K partials
+# summed in the GEMM launch (nested_gemm.SPLIT_K_MERGE; sm90 keeps the reduce kernel until this runs).
+# 1. The merge's GPU tests (bit-equal to the reduce kernel, counters back at zero), then the attention tests that
+#    share arrivals.py with it.
+# 2. The decode table (roofline, fast/full at batches 1-32) with --split-k-merge 0 and 1 side by side: the reduce
+#    costs 36 us a batch-2 fast step (down_proj's two splits, session 22's profile).
+# If 1 is faster and the tests pass, set SPLIT_K_MERGE["sm90"] = True (nested_gemm.py) with the figures.
+source ci/gpu/bootstrap.sh
+set +e
+start_round
+R=$OUT/r; mkdir -p $R
+(time timeout 200 nox -s test-cuda -- tests/kernels/test_nested_gemm.py tests/kernels/test_attention.py \
+  tests/kernels/test_attention_cuda.py) > $OUT/test-cuda-merge.log 2>&1
+grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-merge.log | tail -8
+decode_table reduce-kernel --split-k-merge 0
+decode_table merged --split-k-merge 1
+cp $OUT/gpus.txt $R/; tar czf $OUT/results.tgz -C $OUT r && rm -rf $R
