@@ -74,7 +74,9 @@ FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
 # weight-only there made the step slower (3.107 -> 3.435 ms at batch 2 with o_proj's rows, s20-call3-*.json).
 FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
 # At one row, quantized-input layers narrower than this many output columns keep the weight-only kernel on fp16 rows
-# (so the norm before them stays plain, 1.2 us against the quantizing one's 1.8): 0 on sm90, every width takes fp8.
+# (so the norm before them stays plain, 1.1 us against the quantizing one's 1.8). 0 on sm90, every width takes fp8:
+# 16384 (qkv weight-only, gate_up fp8) took the batch-1 fast step from 2.587 to 2.580 ms in session 22, less than
+# the same tree moves between calls (h200-llama8b-decode-s22-call2-*.json).
 FP8_ONE_ROW_MIN_N = {"sm90": 0}
 # Where the split-K partials are summed by the tile's last split inside the GEMM launch (arrivals.py) instead of by
 # _split_k_reduce_kernel: the reduce costs a launch, 36 us a batch-2 fast step on the H200 (down_proj's two splits,
