@@ -36,6 +36,7 @@ from elastiserve.kernels.formats import Nesting
 from elastiserve.platforms import current_platform
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+EXTRA_SHAPES = {"lm_head": (128256, 4096)}  # only when named in --shapes: the plain fp16 lm_head (1.05 GB)
 M_VALUES = (1, 2, 4, 8)
 MODES = ("plain", "full", "weight_only")
 SHORT = {"plain": "fp16", "full": "full", "weight_only": "w8"}
@@ -200,7 +201,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="qkv at M = 1 only")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new timings after this")
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: all four")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES | EXTRA_SHAPES),
+                        help="default: the four linears (lm_head only when named)")
     parser.add_argument("--m", nargs="+", type=int, help=f"rows (default {M_VALUES})")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--tiles", nargs="+", type=_tile, help="block_n,block_k,num_warps candidates for every M")
@@ -209,7 +211,8 @@ def main(argv=None) -> int:
         print("this probe needs a GPU", file=sys.stderr)
         return 2
     start = time.monotonic()
-    shapes = {"qkv": SHAPES["qkv"]} if args.quick else {name: SHAPES[name] for name in args.shapes or SHAPES}
+    known = SHAPES | EXTRA_SHAPES
+    shapes = {"qkv": SHAPES["qkv"]} if args.quick else {name: known[name] for name in args.shapes or SHAPES}
     m_values = (1,) if args.quick else tuple(args.m or M_VALUES)
     p = current_platform()
     variants = len(compiled_variants(shapes.values(), m_values, p.arch, p.num_sms, args.modes, args.tiles))

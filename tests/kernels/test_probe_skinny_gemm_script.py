@@ -105,3 +105,4 @@ def test_cli_filters_narrow_the_run(probe):
                                                                  ("weight_only", 4, 4096, 16)}
     with pytest.raises(ValueError):
         probe._tile("8,2048")
+    assert "lm_head" in probe.EXTRA_SHAPES and "lm_head" not in probe.SHAPES  # timed only when named
