@@ -267,9 +267,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fp8-min-rows-quantized-long", type=int, default=None,
                    help="the same for rows longer than QUANT_SHORT_K, down_proj's "
                         "(nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT); default: the table's")
-    p.add_argument("--fp8-one-row-min-n", type=int, default=None,
-                   help="one-row quantized-input layers narrower than this run weight-only "
-                        "(nested_gemm.FP8_ONE_ROW_MIN_N); default: the table's")
     p.add_argument("--split-k-merge", type=int, choices=(0, 1), default=None,
                    help="1: split-K partials summed in the GEMM launch (nested_gemm.SPLIT_K_MERGE); "
                         "default: the table's")
@@ -301,7 +298,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  (nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, args.fp8_min_rows_quantized_long),
                  (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
                  (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
-                 (nested_gemm.FP8_ONE_ROW_MIN_N, args.fp8_one_row_min_n),
                  (nested_gemm.SPLIT_K_MERGE, args.split_k_merge)]
     saved = [dict(table) for table, _ in overrides]
     for table, value in overrides:  # before any graph is captured: the routing is baked into them

@@ -224,25 +224,3 @@ def test_fast_mode_threshold_for_quantized_input(monkeypatch):
     down, _ = NestedLinear.from_linear(linear)
     down.set_mode("fast")
     assert not down.takes_fp8_rows(1) and down.takes_fp8_rows(2)
-
-
-def test_one_row_width_threshold(monkeypatch):
-    """``FP8_ONE_ROW_MIN_N``: at one row a quantized-input layer narrower than it keeps the weight-only kernel (its
-    norm then stays plain); wider ones, and every layer from two rows, take fp8. The ``NestedLinear`` asks with its
-    own width."""
-    from dataclasses import replace
-
-    from elastiserve.platforms import FastGemm, current_platform
-
-    sm90 = replace(current_platform(), arch="sm90", facts=replace(current_platform().facts, fast_gemm=FastGemm.FP8_MMA))
-    monkeypatch.setattr(nested_gemm, "current_platform", lambda: sm90)
-    monkeypatch.setitem(nested_gemm.FP8_MIN_M, "sm90", 2)
-    monkeypatch.setitem(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, "sm90", 1)
-    monkeypatch.setitem(nested_gemm.FP8_ONE_ROW_MIN_N, "sm90", 64)
-    assert nested_gemm.fast_mode_for(1, quantized_input=True, k=32, n=48) == "weight_only"
-    assert nested_gemm.fast_mode_for(1, quantized_input=True, k=32, n=64) == "fp8"
-    assert nested_gemm.fast_mode_for(2, quantized_input=True, k=32, n=48) == "fp8"
-    narrow, wide = (NestedLinear.from_linear(torch.nn.Linear(32, n, bias=False).half())[0] for n in (48, 64))
-    for layer in (narrow, wide):
-        layer.set_mode("fast")
-    assert not narrow.takes_fp8_rows(1) and narrow.takes_fp8_rows(2) and wide.takes_fp8_rows(1)

@@ -65,6 +65,9 @@ FP8_MIN_M = {"sm90": 2}
 # qkv 9.2 vs 10.4 us, gate_up 30.3 vs 35.8, down 18.4 vs 18.4; the engine's batch-1 fast step 3.235 -> 3.199 ms
 # (bench_decode.py --fp8-min-rows-quantized 1 vs 2, h200-llama8b-decode-run11-q{1,2}.json). o_proj, which quantizes
 # for itself, keeps FP8_MIN_M.
+# Session 22 tried qkv's one row back on the weight-only kernel (its norm then plain, 1.1 us against 1.8) with gate_up
+# on fp8: batch-1 fast step 2.587 -> 2.580 ms, less than one tree moves between calls (h200-llama8b-decode-s22-call2-*,
+# option removed after it; code at 68ec7d0).
 FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
 # ... except for rows longer than QUANT_SHORT_K (down_proj's, K = 14336): one quantizing SiLU-and-mul program holds
 # such a row, and at one row it costs 5.4 us a call against the plain kernel's 1.5 (session 19's decode profile,
@@ -73,11 +76,6 @@ FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
 # side by side: batch-1 fast step 2.973 -> 2.860 ms (h200-llama8b-decode-s20-call2-*.json). From two rows fp8 wins:
 # weight-only there made the step slower (3.107 -> 3.435 ms at batch 2 with o_proj's rows, s20-call3-*.json).
 FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
-# At one row, quantized-input layers narrower than this many output columns keep the weight-only kernel on fp16 rows
-# (so the norm before them stays plain, 1.1 us against the quantizing one's 1.8). 0 on sm90, every width takes fp8:
-# 16384 (qkv weight-only, gate_up fp8) took the batch-1 fast step from 2.587 to 2.580 ms in session 22, less than
-# the same tree moves between calls (h200-llama8b-decode-s22-call2-*.json).
-FP8_ONE_ROW_MIN_N = {"sm90": 0}
 # Where the split-K partials are summed by the tile's last split inside the GEMM launch (arrivals.py) instead of by
 # _split_k_reduce_kernel: the reduce costs a launch, 36 us a batch-2 fast step on the H200 (down_proj's two splits,
 # session 22's profile, h200-decode-kernels-s22-pdl-off.json). The interpreter runs it so the CPU tests pin it; GPUs
@@ -296,16 +294,13 @@ def reduce_split_k(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
         BLOCK=block, num_warps=4, **pdl_options())
 
 
-def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = False, k: int = 0, n: int = 0) -> str:
+def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = False, k: int = 0) -> str:
     """Which fast-mode kernel this platform runs for an M-row input (``grouped``: the MoE GEMM's rows;
-    ``quantized_input``: rows of ``k`` values a quantizing norm or SiLU-and-mul would hand over as ``Fp8Rows`` to a
-    layer of ``n`` output columns)."""
+    ``quantized_input``: rows of ``k`` values a quantizing norm or SiLU-and-mul would hand over as ``Fp8Rows``)."""
     platform = current_platform()
     table = FP8_MIN_M
     if quantized_input:
         table = FP8_MIN_M_QUANTIZED_LONG_INPUT if k > QUANT_SHORT_K else FP8_MIN_M_QUANTIZED_INPUT
-        if m == 1 and n < FP8_ONE_ROW_MIN_N.get(platform.arch, 0):
-            table = FP8_MIN_M
     min_m = 1 if grouped else table.get(platform.arch, 1)
     if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= min_m:
         return "fp8"

@@ -119,8 +119,7 @@ class NestedLinear(nn.Module):
     def takes_fp8_rows(self, rows: int) -> bool:
         """Whether a forward over ``rows`` rows runs fast mode's fp8 GEMM, so that the norm or SiLU-and-mul before
         it may hand it ``Fp8Rows`` (quantized in that kernel) instead of fp16 rows for the GEMM to quantize."""
-        return self.is_nested and self.fast and fast_mode_for(rows, quantized_input=True, k=self.in_features,
-                                                              n=self.out_features) == "fp8"
+        return self.is_nested and self.fast and fast_mode_for(rows, quantized_input=True, k=self.in_features) == "fp8"
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):
