@@ -270,6 +270,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split-k-merge", type=int, choices=(0, 1), default=None,
                    help="1: split-K partials summed in the GEMM launch (nested_gemm.SPLIT_K_MERGE); "
                         "default: the table's")
+    p.add_argument("--l2-prefetch-share", type=float, default=None,
+                   help="share of the L2 one decode GEMM launch may prefetch weights into before waiting on the "
+                        "kernel before it (l2_prefetch.L2_PREFETCH_SHARE; 0: off); default: the table's")
     p.add_argument("--fp8-min-rows", type=int, default=None,
                    help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
     p.add_argument("--split-quant-max-rows", type=int, default=None,
@@ -287,7 +290,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from elastiserve.kernels import nested_gemm, silu_mul
+    from elastiserve.kernels import l2_prefetch, nested_gemm, silu_mul
     from elastiserve.platforms import current_platform
 
     args = parse_args(argv)
@@ -298,7 +301,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  (nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, args.fp8_min_rows_quantized_long),
                  (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
                  (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
-                 (nested_gemm.SPLIT_K_MERGE, args.split_k_merge)]
+                 (nested_gemm.SPLIT_K_MERGE, args.split_k_merge),
+                 (l2_prefetch.L2_PREFETCH_SHARE, args.l2_prefetch_share)]
     saved = [dict(table) for table, _ in overrides]
     for table, value in overrides:  # before any graph is captured: the routing is baked into them
         if value is not None:

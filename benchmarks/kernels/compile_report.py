@@ -38,6 +38,8 @@ DECODE_OPS = ("add", "sub", "shr", "shl", "and", "or", "xor", "prmt", "cvt", "lo
 
 def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, arch: int,
                    maxnreg: int | None = None, aligned_ints: tuple[str, ...] = ALIGNED_INTS):
+    # constexpr parameters left out take their defaults, as a launch that does not pass them would
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in fn.arg_names}
     aligned = [n for n in fn.arg_names if n not in constexprs and (types[n].startswith("*") or n in aligned_ints)]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}

@@ -28,8 +28,9 @@ from elastiserve.kernels.configs import SkinnyConfig
 def order(ptx):
     body = ptx[ptx.index(".entry"):]
     first = lambda pattern: min((m.start() for m in re.finditer(pattern, body)), default=-1)
+    prefetches = [m.start() for m in re.finditer(r"cp\\.async\\.bulk\\.prefetch\\.L2", body)]
     return {"wait": first(r"griddepcontrol\\.wait"), "launch": first(r"griddepcontrol\\.launch_dependents"),
-            "memory": first(r"\\b(ld|st)\\.global")}
+            "memory": first(r"\\b(ld|st)\\.global"), "prefetches": prefetches}
 
 out = {}
 fn = skinny_gemm._skinny_gemm_kernel
@@ -39,9 +40,11 @@ types.update({"x_ptr": "*fp16", "w_ptr": "*u8", "lower_ptr": "*u8", "bias_ptr": 
 base = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "NESTING": 1, "HAS_BIAS": True,
         "PARTIAL": False, "EVEN_K": True, "PTX_DECODE": False, "DEFER": True, "M_PAD": 1, "BLOCK_N": 16,
         "BLOCK_K": 256, "VEC": 16}
-for name, mode, pdl in (("skinny_full_pdl", 0, True), ("skinny_weight_only_pdl", 1, True), ("skinny_full", 0, False)):
-    kernel = report.compile_kernel(fn, types, dict(base, MODE=mode, PDL=pdl), 4, 2, 90)
-    out[name] = order(kernel.asm["ptx"])
+for name, mode, pdl, prefetch in (("skinny_full_pdl", 0, True, 0), ("skinny_weight_only_pdl", 1, True, 0),
+                                  ("skinny_full", 0, False, 0), ("skinny_full_pdl_prefetch", 0, True, 1024),
+                                  ("skinny_weight_only_pdl_prefetch", 1, True, 1024)):
+    const = dict(base, MODE=mode, PDL=pdl, PREFETCH_ROW_BYTES=prefetch, PREFETCH_CHUNKS=8)
+    out[name] = order(report.compile_kernel(fn, types, const, 4, 2, 90).asm["ptx"])
 fn = rms_norm._rms_norm_kernel
 types = {n: "i32" for n in fn.arg_names}
 types.update({n: "*fp16" for n in ("out_ptr", "residual_out_ptr", "x_ptr", "residual_ptr", "weight_ptr")})
@@ -60,14 +63,28 @@ print(json.dumps(out))
 """
 
 
-def test_pdl_kernels_wait_before_touching_memory():
+@pytest.fixture(scope="module")
+def found():
+    """Every kernel of _COMPILE compiled for sm90 in one subprocess (the interpreter's env var removed)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, str(COMPILE_REPORT)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_pdl_kernels_wait_before_touching_memory(found):
     for name in ("skinny_full_pdl", "skinny_weight_only_pdl", "rms_norm_quant_pdl", "rotary_kv_write_pdl"):
         at = found[name]
         assert 0 <= at["wait"] < at["memory"] and at["launch"] > at["wait"], (name, at)
     assert found["skinny_full"]["wait"] == found["skinny_full"]["launch"] == -1
     assert found["skinny_full"]["memory"] >= 0
+    assert found["skinny_full_pdl"]["prefetches"] == []
+
+
+def test_weight_prefetch_is_issued_before_the_wait(found):
+    """l2_prefetch.py: a GEMM asks the L2 for its weight rows before it waits on the previous grid (both planes in
+    full mode, the upper one in weight-only mode), and still touches no memory before the wait."""
+    for name, planes in (("skinny_full_pdl_prefetch", 2), ("skinny_weight_only_pdl_prefetch", 1)):
+        at = found[name]
+        assert len(at["prefetches"]) == planes and max(at["prefetches"]) < at["wait"] < at["memory"], (name, at)

@@ -37,6 +37,7 @@ from elastiserve.kernels.fp8_activations import (
     quantize_per_token,
     quantize_per_token_ref,
 )
+from elastiserve.kernels.l2_prefetch import prefetch_plan, prefetch_rows_l2
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import merge_planes
 from elastiserve.kernels.weight_decode import load_weight_tile
@@ -80,7 +81,7 @@ FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
 # _split_k_reduce_kernel: the reduce costs a launch, 36 us a batch-2 fast step on the H200 (down_proj's two splits,
 # session 22's profile, h200-decode-kernels-s22-pdl-off.json). The interpreter runs it so the CPU tests pin it; GPUs
 # keep the reduce kernel until it is timed there (ci/gpu/split_k_merge_round.sh).
-SPLIT_K_MERGE = {"cpu": True}
+SPLIT_K_MERGE = {"cpu": True, "sm90": True}
 
 
 @triton.jit
@@ -95,6 +96,7 @@ def _nested_gemm_kernel(
     SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PTX_DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
+    PREFETCH_ROW_BYTES: tl.constexpr = 0, PREFETCH_CHUNKS: tl.constexpr = 1,  # l2_prefetch.prefetch_plan
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -112,6 +114,12 @@ def _nested_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
+    if PREFETCH_ROW_BYTES > 0:  # before the wait: no kernel of a step writes the weights (l2_prefetch.py)
+        prefetch_rows_l2(upper_ptr, pid_n * BLOCK_N, N, stride_wn, k_start, BLOCK_N, PREFETCH_ROW_BYTES,
+                         PREFETCH_CHUNKS)
+        if MODE == 0:
+            prefetch_rows_l2(lower_ptr, pid_n * BLOCK_N, N, stride_ln, k_start, BLOCK_N, PREFETCH_ROW_BYTES,
+                             PREFETCH_CHUNKS)
     wait_for_prior_grid(PDL)
 
     if SWAP_AB:
@@ -266,11 +274,15 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     merge = split > 1 and bool(SPLIT_K_MERGE.get(platform.arch, False))
     counters = arrival_counters("nested_gemm", x.device, tiles) if merge else out
+    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
+    # Prefetch where one row tile reads the weight once (decode sizes); larger M is bound by the MMAs.
+    prefetch = prefetch_plan(upper, config.block_n, tiles * split, k_per_split, split, config.num_warps,
+                             lower=lower if mode == "full" else None) if m <= config.block_m else {}
     _nested_gemm_kernel[(tiles, split)](
         x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only
         upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
         bias if bias is not None else x, target, out, counters,
-        m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
+        m, n, k, k_per_split,
         x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
         weight_scale(nesting, mode, fnuz, weight_exp),
@@ -279,6 +291,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         PTX_DECODE=config.ptx_decode,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, MERGE=merge,
         num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl_options(),
+        **prefetch,
     )
     if split > 1 and not merge:
         reduce_split_k(target, bias, out)

@@ -41,6 +41,7 @@ import triton.language as tl
 from elastiserve.kernels import configs, nested_gemm
 from elastiserve.kernels.configs import SKINNY_MAX_ROWS, SkinnyConfig
 from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.l2_prefetch import prefetch_plan, prefetch_rows_l2
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
 from elastiserve.platforms import ConfigError, current_platform
@@ -106,12 +107,20 @@ def _skinny_gemm_kernel(
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,  # weight elements in one 128-bit load (vector_width): the accumulator's K grouping
     PDL: tl.constexpr = False,
+    PREFETCH_ROW_BYTES: tl.constexpr = 0, PREFETCH_CHUNKS: tl.constexpr = 1,  # l2_prefetch.prefetch_plan
 ):
-    wait_for_prior_grid(PDL)
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
+    if PREFETCH_ROW_BYTES > 0:  # before the wait: no kernel of a step writes the weights (l2_prefetch.py)
+        w_bytes = 2 if MODE == 3 else 1  # plain fp16, else a uint8 plane
+        prefetch_rows_l2(w_ptr, tl.program_id(0) * BLOCK_N, N, stride_wn * w_bytes, k_start * w_bytes, BLOCK_N,
+                         PREFETCH_ROW_BYTES, PREFETCH_CHUNKS)
+        if MODE == 0:
+            prefetch_rows_l2(lower_ptr, tl.program_id(0) * BLOCK_N, N, stride_ln, k_start, BLOCK_N,
+                             PREFETCH_ROW_BYTES, PREFETCH_CHUNKS)
+    wait_for_prior_grid(PDL)
     # One accumulator per row (Triton has no register arrays); rows >= M_PAD stay untouched and are dead code.
     acc0 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
     acc1 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
@@ -201,9 +210,12 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
     m_pad = triton.next_power_of_2(m)
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
+    prefetch = prefetch_plan(w, config.block_n, triton.cdiv(n, config.block_n) * split, k_per_split, split,
+                             config.num_warps, lower=lower if mode == "full" else None)
     _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split)](
         x, w, lower, bias if bias is not None else x, target,
-        m, n, k, triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k,
+        m, n, k, k_per_split,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), lower.stride(0), lower.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
         w_scale,
@@ -211,7 +223,7 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
         EVEN_K=k % (config.block_k * split) == 0, PTX_DECODE=config.ptx_decode,
         DEFER=defers_reduction(config, m_pad, mode), M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         VEC=vector_width(mode),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(), **prefetch,
     )
     if split > 1:
         nested_gemm.reduce_split_k(target, bias, out)

@@ -1,0 +1,72 @@
+"""Weight prefetch into L2 while the previous kernel of the step finishes (programmatic dependent launch only).
+
+With PDL (``launch.py``) a GEMM's programs are resident and parked in ``griddepcontrol.wait`` while the kernel before
+it (a norm, the attention, SiLU-and-mul) still runs. At decode sizes those kernels read little and take 1-6 us each,
+so the HBM idles between two GEMMs while the next GEMM's weights, which no kernel of the step writes, wait to be
+read. Here each program, before it waits, asks the L2 for the start of its own weight slab with one
+``cp.async.bulk.prefetch.L2`` per thread (sm90+, a hint: it reads nothing into registers and cannot fault the
+kernel's result); its loop then finds those lines in L2. What every kernel reads after the wait is unchanged.
+
+``L2_PREFETCH_SHARE`` caps the bytes one launch asks for, as a share of the GPU's L2 (60 MB on the H200), so
+prefetched lines are not evicted by each other before the loop reaches them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from elastiserve.platforms import Vendor, current_platform
+from elastiserve.platforms.env import triton_interpret
+
+# Share of the L2 one GEMM launch may prefetch, per arch; absent or 0: no prefetch. Not timed yet
+# (ci/gpu/l2_prefetch_round.sh).
+L2_PREFETCH_SHARE: dict[str, float] = {"sm90": 0.5}
+_ALIGN = 16  # cp.async.bulk: 16-byte aligned address, size a multiple of 16
+
+_PREFETCH_PTX = tl.constexpr("cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def prefetch_rows_l2(base_ptr, first_row, N, stride_n, k_start_bytes, BLOCK_N: tl.constexpr, ROW_BYTES: tl.constexpr,
+                     CHUNKS: tl.constexpr):
+    """Prefetch ROW_BYTES of each of the BLOCK_N rows from ``first_row`` (clamped to N - 1: valid memory), from byte
+    ``k_start_bytes`` of the row, as CHUNKS pieces a row: element i of the [BLOCK_N * CHUNKS] tensor is piece
+    i // BLOCK_N of row i % BLOCK_N, so with one element per thread no two threads ask for the same bytes."""
+    PIECE: tl.constexpr = ROW_BYTES // CHUNKS
+    piece = tl.arange(0, BLOCK_N * CHUNKS)
+    row = tl.minimum(first_row + piece % BLOCK_N, N - 1).to(tl.int64)
+    addr = (base_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + row * stride_n + k_start_bytes
+            + (piece // BLOCK_N) * PIECE)
+    tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l,r", [addr, tl.full([BLOCK_N * CHUNKS], PIECE, tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_plan(tensor, rows_per_program: int, programs: int, k_per_split: int, splits: int, num_warps: int,
+                  lower=None) -> dict:
+    """The kernel keywords ``PREFETCH_ROW_BYTES`` and ``PREFETCH_CHUNKS`` for ``prefetch_rows_l2`` on a row-major
+    [N, K] ``tensor`` read by ``programs`` programs of ``rows_per_program`` rows and ``k_per_split`` columns each
+    (``splits`` K ranges; the last may be short, and a prefetch stays inside its row): ROW_BYTES 0 (off) unless this
+    platform launches programmatically on an arch with a budget and the rows allow aligned bulk copies. ``lower``:
+    full mode's second plane, prefetched alike (it halves each plane's share of the budget). ROW_BYTES is a power of
+    two, so a shape compiles one variant whatever its grid."""
+    off = {"PREFETCH_ROW_BYTES": 0, "PREFETCH_CHUNKS": 1}
+    platform = current_platform()
+    budget = int(L2_PREFETCH_SHARE.get(platform.arch, 0.0) * platform.l2_bytes)
+    size = tensor.element_size()
+    planes = [tensor] if lower is None else [tensor, lower]
+    if (not budget or not platform.programmatic_launch or platform.vendor is not Vendor.NVIDIA or triton_interpret()
+            or (k_per_split * size) % _ALIGN or not all(_bulk_aligned(plane) for plane in planes)):
+        return off
+    last_range = tensor.shape[1] - (splits - 1) * k_per_split
+    chunks = triton.next_power_of_2(max(num_warps * 32 // rows_per_program, 1))
+    per_row = min(min(k_per_split, last_range) * size, budget // (programs * rows_per_program * len(planes)))
+    if per_row < chunks * _ALIGN:
+        return off
+    return {"PREFETCH_ROW_BYTES": 1 << (per_row.bit_length() - 1), "PREFETCH_CHUNKS": chunks}
+
+
+def _bulk_aligned(plane) -> bool:
+    """Row-major, with every row starting on a 16-byte boundary."""
+    return (plane.stride(-1) == 1 and plane.data_ptr() % _ALIGN == 0
+            and plane.stride(0) * plane.element_size() % _ALIGN == 0)
