@@ -13,7 +13,7 @@ from elastiserve.kernels import configs, formats, l2_prefetch, nested_gemm, skin
 from elastiserve.kernels.formats import Nesting
 from elastiserve.platforms import Vendor, current_platform
 
-OFF = {"PREFETCH_ROW_BYTES": 0, "PREFETCH_CHUNKS": 1}
+OFF = {"PREFETCH_ROW_BYTES": 0, "PREFETCH_CHUNKS": 1, "PREFETCH_THREADS": 32}
 
 
 @pytest.fixture
@@ -36,12 +36,14 @@ def test_off_on_the_interpreter():
 @pytest.mark.cpu
 def test_plan_fits_the_budget_and_the_rows(sm90):
     # o_proj's upper plane, 256 programs of 16 rows over all of K: 30 MiB / 4096 rows = 7680 B a row -> 4096 (a power
-    # of two), in 8 pieces of 512 (4 warps = 128 threads, 16 rows)
+    # of two), in 4 pieces of MIN_PIECE (4 warps = 128 threads could take 8 a row)
     upper = torch.zeros(4096, 4096, dtype=torch.uint8)
     plan = l2_prefetch.prefetch_plan(upper, 16, 256, 4096, 1, 4)
-    assert plan == {"PREFETCH_ROW_BYTES": 4096, "PREFETCH_CHUNKS": 8}
-    # full mode's two planes halve each one's share: 3840 B -> 2048
-    assert l2_prefetch.prefetch_plan(upper, 16, 256, 4096, 1, 4, lower=upper)["PREFETCH_ROW_BYTES"] == 2048
+    assert plan == {"PREFETCH_ROW_BYTES": 4096, "PREFETCH_CHUNKS": 4, "PREFETCH_THREADS": 128}
+    assert l2_prefetch.prefetch_plan(upper, 64, 64, 4096, 1, 4)["PREFETCH_CHUNKS"] == 2  # at most a piece a thread
+    # full mode's two planes halve each one's share: 3840 B -> 2048, two pieces a row
+    both = l2_prefetch.prefetch_plan(upper, 16, 256, 4096, 1, 4, lower=upper)
+    assert both["PREFETCH_ROW_BYTES"] == 2048 and both["PREFETCH_CHUNKS"] == 2
     # a plain fp16 weight of 64 columns: its rows' 128 bytes cap the 1097 of the budget (30 MiB / 28672 rows)
     gate_up = torch.zeros(28672, 64, dtype=torch.float16)
     assert l2_prefetch.prefetch_plan(gate_up, 16, 1792, 64, 1, 4)["PREFETCH_ROW_BYTES"] == 128

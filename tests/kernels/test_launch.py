@@ -43,7 +43,8 @@ base = {"stride_xk": 1, "stride_wk": 1, "stride_lk": 1, "stride_on": 1, "NESTING
 for name, mode, pdl, prefetch in (("skinny_full_pdl", 0, True, 0), ("skinny_weight_only_pdl", 1, True, 0),
                                   ("skinny_full", 0, False, 0), ("skinny_full_pdl_prefetch", 0, True, 1024),
                                   ("skinny_weight_only_pdl_prefetch", 1, True, 1024)):
-    const = dict(base, MODE=mode, PDL=pdl, PREFETCH_ROW_BYTES=prefetch, PREFETCH_CHUNKS=8)
+    const = dict(base, MODE=mode, PDL=pdl, PREFETCH_ROW_BYTES=prefetch, PREFETCH_CHUNKS=8,
+                 PREFETCH_THREADS=128)
     out[name] = order(report.compile_kernel(fn, types, const, 4, 2, 90).asm["ptx"])
 fn = rms_norm._rms_norm_kernel
 types = {n: "i32" for n in fn.arg_names}

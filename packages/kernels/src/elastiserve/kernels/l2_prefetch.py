@@ -24,33 +24,45 @@ from elastiserve.platforms.env import triton_interpret
 L2_PREFETCH_SHARE: dict[str, float] = {"sm90": 0.5}
 _ALIGN = 16  # cp.async.bulk: 16-byte aligned address, size a multiple of 16
 
-_PREFETCH_PTX = tl.constexpr("cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;")
+# $1 address, $2 bytes (0: this thread has no piece).
+_PREFETCH_PTX = tl.constexpr("""{
+.reg .pred p;
+setp.ne.u32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}""")
+# Smallest piece one thread asks for: each bulk prefetch is one operation of the SM's copy engine, and pieces of
+# 16-64 bytes (one per thread over a 2-8 KB row) made the batch-1 fp16 step 12 % slower (session 23, call 2).
+MIN_PIECE = 1024
 
 
 @triton.jit
 def prefetch_rows_l2(base_ptr, first_row, N, stride_n, k_start_bytes, BLOCK_N: tl.constexpr, ROW_BYTES: tl.constexpr,
-                     CHUNKS: tl.constexpr):
+                     CHUNKS: tl.constexpr, THREADS: tl.constexpr):
     """Prefetch ROW_BYTES of each of the BLOCK_N rows from ``first_row`` (clamped to N - 1: valid memory), from byte
-    ``k_start_bytes`` of the row, as CHUNKS pieces a row: element i of the [BLOCK_N * CHUNKS] tensor is piece
-    i // BLOCK_N of row i % BLOCK_N, so with one element per thread no two threads ask for the same bytes."""
+    ``k_start_bytes`` of the row, as CHUNKS pieces a row. Element i of a [max(THREADS, BLOCK_N * CHUNKS)] tensor (one
+    per thread of the program's default layout) is piece i // BLOCK_N of row i % BLOCK_N; elements past
+    BLOCK_N * CHUNKS ask for nothing, so no two threads ask for the same bytes."""
     PIECE: tl.constexpr = ROW_BYTES // CHUNKS
-    piece = tl.arange(0, BLOCK_N * CHUNKS)
-    row = tl.minimum(first_row + piece % BLOCK_N, N - 1).to(tl.int64)
+    PIECES: tl.constexpr = BLOCK_N * CHUNKS
+    SLOTS: tl.constexpr = THREADS if THREADS > PIECES else PIECES
+    slot = tl.arange(0, SLOTS)
+    row = tl.minimum(first_row + slot % BLOCK_N, N - 1).to(tl.int64)
     addr = (base_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + row * stride_n + k_start_bytes
-            + (piece // BLOCK_N) * PIECE)
-    tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l,r", [addr, tl.full([BLOCK_N * CHUNKS], PIECE, tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
+            + ((slot // BLOCK_N) % CHUNKS) * PIECE)
+    size = tl.where(slot < PIECES, PIECE, 0)
+    tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def prefetch_plan(tensor, rows_per_program: int, programs: int, k_per_split: int, splits: int, num_warps: int,
                   lower=None) -> dict:
-    """The kernel keywords ``PREFETCH_ROW_BYTES`` and ``PREFETCH_CHUNKS`` for ``prefetch_rows_l2`` on a row-major
-    [N, K] ``tensor`` read by ``programs`` programs of ``rows_per_program`` rows and ``k_per_split`` columns each
-    (``splits`` K ranges; the last may be short, and a prefetch stays inside its row): ROW_BYTES 0 (off) unless this
-    platform launches programmatically on an arch with a budget and the rows allow aligned bulk copies. ``lower``:
-    full mode's second plane, prefetched alike (it halves each plane's share of the budget). ROW_BYTES is a power of
-    two, so a shape compiles one variant whatever its grid."""
-    off = {"PREFETCH_ROW_BYTES": 0, "PREFETCH_CHUNKS": 1}
+    """The kernel keywords ``PREFETCH_ROW_BYTES``, ``PREFETCH_CHUNKS`` and ``PREFETCH_THREADS`` for
+    ``prefetch_rows_l2`` on a row-major [N, K] ``tensor`` read by ``programs`` programs of ``rows_per_program`` rows
+    and ``k_per_split`` columns each (``splits`` K ranges; the last may be short, and a prefetch stays inside its
+    row): ROW_BYTES 0 (off) unless this platform launches programmatically on an arch with a budget and the rows
+    allow aligned bulk copies. ``lower``: full mode's second plane, prefetched alike (it halves each plane's share of
+    the budget). ROW_BYTES is a power of two, so a shape compiles one variant whatever its grid."""
+    off = {"PREFETCH_ROW_BYTES": 0, "PREFETCH_CHUNKS": 1, "PREFETCH_THREADS": 32}
     platform = current_platform()
     budget = int(L2_PREFETCH_SHARE.get(platform.arch, 0.0) * platform.l2_bytes)
     size = tensor.element_size()
@@ -59,11 +71,14 @@ def prefetch_plan(tensor, rows_per_program: int, programs: int, k_per_split: int
             or (k_per_split * size) % _ALIGN or not all(_bulk_aligned(plane) for plane in planes)):
         return off
     last_range = tensor.shape[1] - (splits - 1) * k_per_split
-    chunks = triton.next_power_of_2(max(num_warps * 32 // rows_per_program, 1))
     per_row = min(min(k_per_split, last_range) * size, budget // (programs * rows_per_program * len(planes)))
-    if per_row < chunks * _ALIGN:
+    if per_row < _ALIGN:
         return off
-    return {"PREFETCH_ROW_BYTES": 1 << (per_row.bit_length() - 1), "PREFETCH_CHUNKS": chunks}
+    row_bytes = 1 << (per_row.bit_length() - 1)
+    threads = num_warps * 32
+    chunks = max(1, min(threads // rows_per_program, row_bytes // MIN_PIECE))  # pieces >= MIN_PIECE or whole rows
+    return {"PREFETCH_ROW_BYTES": row_bytes, "PREFETCH_CHUNKS": 1 << (chunks.bit_length() - 1),
+            "PREFETCH_THREADS": threads}
 
 
 def _bulk_aligned(plane) -> bool:

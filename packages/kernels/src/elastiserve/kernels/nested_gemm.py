@@ -97,6 +97,7 @@ def _nested_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
     PREFETCH_ROW_BYTES: tl.constexpr = 0, PREFETCH_CHUNKS: tl.constexpr = 1,  # l2_prefetch.prefetch_plan
+    PREFETCH_THREADS: tl.constexpr = 32,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -116,10 +117,10 @@ def _nested_gemm_kernel(
     k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
     if PREFETCH_ROW_BYTES > 0:  # before the wait: no kernel of a step writes the weights (l2_prefetch.py)
         prefetch_rows_l2(upper_ptr, pid_n * BLOCK_N, N, stride_wn, k_start, BLOCK_N, PREFETCH_ROW_BYTES,
-                         PREFETCH_CHUNKS)
+                         PREFETCH_CHUNKS, PREFETCH_THREADS)
         if MODE == 0:
             prefetch_rows_l2(lower_ptr, pid_n * BLOCK_N, N, stride_ln, k_start, BLOCK_N, PREFETCH_ROW_BYTES,
-                             PREFETCH_CHUNKS)
+                             PREFETCH_CHUNKS, PREFETCH_THREADS)
     wait_for_prior_grid(PDL)
 
     if SWAP_AB:

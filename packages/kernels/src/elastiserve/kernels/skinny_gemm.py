@@ -108,6 +108,7 @@ def _skinny_gemm_kernel(
     VEC: tl.constexpr,  # weight elements in one 128-bit load (vector_width): the accumulator's K grouping
     PDL: tl.constexpr = False,
     PREFETCH_ROW_BYTES: tl.constexpr = 0, PREFETCH_CHUNKS: tl.constexpr = 1,  # l2_prefetch.prefetch_plan
+    PREFETCH_THREADS: tl.constexpr = 32,
 ):
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,10 +117,10 @@ def _skinny_gemm_kernel(
     if PREFETCH_ROW_BYTES > 0:  # before the wait: no kernel of a step writes the weights (l2_prefetch.py)
         w_bytes = 2 if MODE == 3 else 1  # plain fp16, else a uint8 plane
         prefetch_rows_l2(w_ptr, tl.program_id(0) * BLOCK_N, N, stride_wn * w_bytes, k_start * w_bytes, BLOCK_N,
-                         PREFETCH_ROW_BYTES, PREFETCH_CHUNKS)
+                         PREFETCH_ROW_BYTES, PREFETCH_CHUNKS, PREFETCH_THREADS)
         if MODE == 0:
             prefetch_rows_l2(lower_ptr, tl.program_id(0) * BLOCK_N, N, stride_ln, k_start, BLOCK_N,
-                             PREFETCH_ROW_BYTES, PREFETCH_CHUNKS)
+                             PREFETCH_ROW_BYTES, PREFETCH_CHUNKS, PREFETCH_THREADS)
     wait_for_prior_grid(PDL)
     # One accumulator per row (Triton has no register arrays); rows >= M_PAD stay untouched and are dead code.
     acc0 = _zero_acc(BLOCK_N, BLOCK_K, DEFER, VEC)
