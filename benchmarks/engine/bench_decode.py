@@ -270,9 +270,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split-k-merge", type=int, choices=(0, 1), default=None,
                    help="1: split-K partials summed in the GEMM launch (nested_gemm.SPLIT_K_MERGE); "
                         "default: the table's")
-    p.add_argument("--l2-prefetch-share", type=float, default=None,
-                   help="share of the L2 one decode GEMM launch may prefetch weights into before waiting on the "
-                        "kernel before it (l2_prefetch.L2_PREFETCH_SHARE; 0: off); default: the table's")
+    p.add_argument("--l2-prefetch", nargs="*", type=_mode_share, default=None, metavar="MODE=SHARE",
+                   help="share of the L2 one decode GEMM launch in MODE (full, weight_only, fp8, plain) may prefetch "
+                        "weights into before waiting on the kernel before it, replacing this GPU's row of "
+                        "l2_prefetch.L2_PREFETCH_SHARE (no values: off); default: the table's")
     p.add_argument("--fp8-min-rows", type=int, default=None,
                    help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
     p.add_argument("--split-quant-max-rows", type=int, default=None,
@@ -289,6 +290,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _mode_share(text: str) -> tuple[str, float]:
+    mode, _, share = text.partition("=")
+    if mode not in ("full", "weight_only", "fp8", "plain") or not share:
+        raise argparse.ArgumentTypeError(f"expected MODE=SHARE with MODE full, weight_only, fp8 or plain: {text!r}")
+    value = float(share)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share of the L2 is in [0, 1], got {value}")
+    return mode, value
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from elastiserve.kernels import l2_prefetch, nested_gemm, silu_mul
     from elastiserve.platforms import current_platform
@@ -302,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
                  (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
                  (nested_gemm.SPLIT_K_MERGE, args.split_k_merge),
-                 (l2_prefetch.L2_PREFETCH_SHARE, args.l2_prefetch_share)]
+                 (l2_prefetch.L2_PREFETCH_SHARE, None if args.l2_prefetch is None else dict(args.l2_prefetch))]
     saved = [dict(table) for table, _ in overrides]
     for table, value in overrides:  # before any graph is captured: the routing is baked into them
         if value is not None:

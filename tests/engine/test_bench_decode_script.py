@@ -73,3 +73,15 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     tokens = {r["output_tokens"] for r in tp["policies"]}
     assert len(tokens) == 1 and tokens.pop() > 8  # every policy produced the same exact-length outputs
     assert all(r["requests"] == 8 and r["output_tokens_per_s"] > 0 for r in tp["policies"])
+
+
+def test_l2_prefetch_flag_replaces_the_arch_row_per_mode():
+    module = load_script()
+    base = ["--device", "cpu", "--model", json.dumps(TINY), "--out", "unused.json"]
+    assert module.parse_args(base).l2_prefetch is None  # the table's
+    assert module.parse_args([*base, "--l2-prefetch"]).l2_prefetch == []  # off
+    shares = module.parse_args([*base, "--l2-prefetch", "fp8=0.125", "weight_only=0.25"]).l2_prefetch
+    assert dict(shares) == {"fp8": 0.125, "weight_only": 0.25}
+    for bad in ("fp16=0.1", "fp8", "fp8=1.5", "fp8=x"):
+        with pytest.raises(SystemExit):
+            module.parse_args([*base, "--l2-prefetch", bad])

@@ -11,9 +11,13 @@ import torch
 
 from elastiserve.kernels import configs, formats, l2_prefetch, nested_gemm, skinny_gemm
 from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.l2_prefetch import prefetch_plan
 from elastiserve.platforms import Vendor, current_platform
 
+DEFAULT_SM90 = dict(l2_prefetch.L2_PREFETCH_SHARE.get("sm90", {}))  # before any fixture patches it
+
 OFF = {"PREFETCH_ROW_BYTES": 0, "PREFETCH_CHUNKS": 1, "PREFETCH_THREADS": 32}
+MODES = ("full", "weight_only", "fp8", "plain")
 
 
 @pytest.fixture
@@ -23,14 +27,14 @@ def sm90(monkeypatch):
                        l2_bytes=60 << 20)
     monkeypatch.setattr(l2_prefetch, "current_platform", lambda: platform)
     monkeypatch.setattr(l2_prefetch, "triton_interpret", lambda: False)
-    monkeypatch.setitem(l2_prefetch.L2_PREFETCH_SHARE, "sm90", 0.5)
+    monkeypatch.setitem(l2_prefetch.L2_PREFETCH_SHARE, "sm90", dict.fromkeys(MODES, 0.5))
     return platform
 
 
 @pytest.mark.cpu
 def test_off_on_the_interpreter():
     plane = torch.zeros(64, 4096, dtype=torch.uint8)
-    assert l2_prefetch.prefetch_plan(plane, 16, 4, 4096, 1, 4) == OFF
+    assert prefetch_plan(plane, "weight_only", 16, 4, 4096, 1, 4) == OFF
 
 
 @pytest.mark.cpu
@@ -38,36 +42,52 @@ def test_plan_fits_the_budget_and_the_rows(sm90):
     # o_proj's upper plane, 256 programs of 16 rows over all of K: 30 MiB / 4096 rows = 7680 B a row -> 4096 (a power
     # of two), in 4 pieces of MIN_PIECE (4 warps = 128 threads could take 8 a row)
     upper = torch.zeros(4096, 4096, dtype=torch.uint8)
-    plan = l2_prefetch.prefetch_plan(upper, 16, 256, 4096, 1, 4)
+    plan = prefetch_plan(upper, "weight_only", 16, 256, 4096, 1, 4)
     assert plan == {"PREFETCH_ROW_BYTES": 4096, "PREFETCH_CHUNKS": 4, "PREFETCH_THREADS": 128}
-    assert l2_prefetch.prefetch_plan(upper, 64, 64, 4096, 1, 4)["PREFETCH_CHUNKS"] == 2  # at most a piece a thread
+    assert prefetch_plan(upper, "weight_only", 64, 64, 4096, 1, 4)["PREFETCH_CHUNKS"] == 2  # at most a piece a thread
     # full mode's two planes halve each one's share: 3840 B -> 2048, two pieces a row
-    both = l2_prefetch.prefetch_plan(upper, 16, 256, 4096, 1, 4, lower=upper)
+    both = prefetch_plan(upper, "full", 16, 256, 4096, 1, 4, lower=upper)
     assert both["PREFETCH_ROW_BYTES"] == 2048 and both["PREFETCH_CHUNKS"] == 2
     # a plain fp16 weight of 64 columns: its rows' 128 bytes cap the 1097 of the budget (30 MiB / 28672 rows)
     gate_up = torch.zeros(28672, 64, dtype=torch.float16)
-    assert l2_prefetch.prefetch_plan(gate_up, 16, 1792, 64, 1, 4)["PREFETCH_ROW_BYTES"] == 128
+    assert prefetch_plan(gate_up, "plain", 16, 1792, 64, 1, 4)["PREFETCH_ROW_BYTES"] == 128
     # split K: the last split holds 4096 - 3 * 1152 = 640 columns, so no row asks past its own end
     small = torch.zeros(64, 4096, dtype=torch.uint8)
-    assert l2_prefetch.prefetch_plan(small, 16, 16, 1152, 4, 4)["PREFETCH_ROW_BYTES"] == 512
+    assert prefetch_plan(small, "weight_only", 16, 16, 1152, 4, 4)["PREFETCH_ROW_BYTES"] == 512
     # a budget too small for one 16-byte piece a thread, and the share set to 0: off
-    assert l2_prefetch.prefetch_plan(upper, 16, 1 << 20, 4096, 1, 4) == OFF
-    sm90_off = dict(l2_prefetch.L2_PREFETCH_SHARE, sm90=0.0)
+    assert prefetch_plan(upper, "weight_only", 16, 1 << 20, 4096, 1, 4) == OFF
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(l2_prefetch, "L2_PREFETCH_SHARE", sm90_off)
-        assert l2_prefetch.prefetch_plan(upper, 16, 256, 4096, 1, 4) == OFF
+        patch.setitem(l2_prefetch.L2_PREFETCH_SHARE, "sm90", dict.fromkeys(MODES, 0.5) | {"weight_only": 0.0})
+        assert prefetch_plan(upper, "weight_only", 16, 256, 4096, 1, 4) == OFF
+        assert prefetch_plan(upper, "fp8", 16, 256, 4096, 1, 4) == plan  # the share is per mode
+        patch.setitem(l2_prefetch.L2_PREFETCH_SHARE, "sm90", {"fp8": 0.5})  # a mode the arch does not name: off
+        assert prefetch_plan(upper, "full", 16, 256, 4096, 1, 4, lower=upper) == OFF
+
+
+@pytest.mark.cpu
+def test_the_default_prefetches_only_one_plane_modes(sm90, monkeypatch):
+    """Session 23's timing: an eighth of the L2 sped fast mode up and slowed full mode and the plain fp16 step."""
+    monkeypatch.setitem(l2_prefetch.L2_PREFETCH_SHARE, "sm90", dict(DEFAULT_SM90))
+    upper = torch.zeros(4096, 4096, dtype=torch.uint8)
+    # 7.5 MiB over 4096 rows = 1920 B -> 1024 a row, one MIN_PIECE
+    for mode in ("weight_only", "fp8"):
+        assert prefetch_plan(upper, mode, 16, 256, 4096, 1, 4) == {
+            "PREFETCH_ROW_BYTES": 1024, "PREFETCH_CHUNKS": 1, "PREFETCH_THREADS": 128}
+    assert prefetch_plan(upper, "full", 16, 256, 4096, 1, 4, lower=upper) == OFF
+    assert prefetch_plan(torch.zeros(4096, 4096, dtype=torch.float16), "plain", 16, 256, 4096, 1, 4) == OFF
 
 
 @pytest.mark.cpu
 def test_plan_refuses_unaligned_rows(sm90):
-    assert l2_prefetch.prefetch_plan(torch.zeros(64, 4100, dtype=torch.uint8), 16, 4, 4100, 1, 4) == OFF  # row stride
+    wide = torch.zeros(64, 4100, dtype=torch.uint8)
+    assert prefetch_plan(wide, "weight_only", 16, 4, 4100, 1, 4) == OFF  # a row stride off 16 bytes
     odd = torch.zeros(64 * 4096 + 1, dtype=torch.uint8)[1:].view(64, 4096)  # base off 16 bytes
-    assert l2_prefetch.prefetch_plan(odd, 16, 4, 4096, 1, 4) == OFF
+    assert prefetch_plan(odd, "weight_only", 16, 4, 4096, 1, 4) == OFF
     aligned = torch.zeros(64, 4096, dtype=torch.uint8)
-    assert l2_prefetch.prefetch_plan(aligned, 16, 4, 4096, 1, 4, lower=odd) == OFF  # either plane
-    assert l2_prefetch.prefetch_plan(aligned, 16, 8, 1000, 2, 4) == OFF  # a split starting off 16 bytes
-    assert l2_prefetch.prefetch_plan(aligned.t(), 16, 4, 64, 1, 4) == OFF  # not row-major
-    assert l2_prefetch.prefetch_plan(aligned, 16, 4, 4096, 1, 4)["PREFETCH_ROW_BYTES"] == 4096
+    assert prefetch_plan(aligned, "weight_only", 16, 4, 4096, 1, 4, lower=odd) == OFF  # either plane
+    assert prefetch_plan(aligned, "weight_only", 16, 8, 1000, 2, 4) == OFF  # a split starting off 16 bytes
+    assert prefetch_plan(aligned.t(), "weight_only", 16, 4, 64, 1, 4) == OFF  # not row-major
+    assert prefetch_plan(aligned, "weight_only", 16, 4, 4096, 1, 4)["PREFETCH_ROW_BYTES"] == 4096
 
 
 def _planes(n, k, nesting, device, seed):
@@ -101,11 +121,13 @@ def test_decode_gemms_compute_the_same_bits_with_and_without(device, monkeypatch
         return out
 
     upper = torch.zeros(4096, 4096, dtype=torch.uint8, device=device)
-    if platform.programmatic_launch and l2_prefetch.L2_PREFETCH_SHARE.get(platform.arch, 0.0) > 0:
-        assert l2_prefetch.prefetch_plan(upper, 16, 256, 4096, 1, 4)["PREFETCH_ROW_BYTES"] > 0
+    # every mode prefetches, not only the default's (a share a deployment may set must not change a bit)
+    monkeypatch.setitem(l2_prefetch.L2_PREFETCH_SHARE, platform.arch, dict.fromkeys(MODES, 0.125))
+    if platform.programmatic_launch:
+        assert prefetch_plan(upper, "full", 16, 256, 4096, 1, 4, lower=upper)["PREFETCH_ROW_BYTES"] > 0
     with_prefetch = run_all()
-    monkeypatch.setitem(l2_prefetch.L2_PREFETCH_SHARE, platform.arch, 0.0)
-    assert l2_prefetch.prefetch_plan(upper, 16, 256, 4096, 1, 4) == OFF
+    monkeypatch.setitem(l2_prefetch.L2_PREFETCH_SHARE, platform.arch, {})
+    assert prefetch_plan(upper, "full", 16, 256, 4096, 1, 4, lower=upper) == OFF
     without = run_all()
     assert len(with_prefetch) == len(without) >= 16
     for a, b in zip(with_prefetch, without):

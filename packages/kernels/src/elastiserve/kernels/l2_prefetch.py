@@ -7,8 +7,8 @@ read. Here each program, before it waits, asks the L2 for the start of its own w
 ``cp.async.bulk.prefetch.L2`` per thread (sm90+, a hint: it reads nothing into registers and cannot fault the
 kernel's result); its loop then finds those lines in L2. What every kernel reads after the wait is unchanged.
 
-``L2_PREFETCH_SHARE`` caps the bytes one launch asks for, as a share of the GPU's L2 (60 MB on the H200), so
-prefetched lines are not evicted by each other before the loop reaches them.
+``L2_PREFETCH_SHARE`` caps the bytes one launch asks for, per arch and GEMM mode, as a share of the GPU's L2 (60 MB
+on the H200), so prefetched lines are not evicted by each other before the loop reaches them.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ import triton.language as tl
 from elastiserve.platforms import Vendor, current_platform
 from elastiserve.platforms.env import triton_interpret
 
-# Share of the L2 one GEMM launch may prefetch, per arch; absent or 0: no prefetch. Not timed yet
-# (ci/gpu/l2_prefetch_round.sh).
-L2_PREFETCH_SHARE: dict[str, float] = {"sm90": 0.5}
+# Share of the L2 one GEMM launch may prefetch, per arch and mode (nested_gemm / skinny_gemm mode names); absent or
+# 0: no prefetch. Session 23 timed one share for every mode (Llama-3.1-8B decode step, H200, call 3): at an eighth
+# fast mode was 44-65 us a step faster at batches 1-32 (2.590 -> 2.546 ms at batch 1), while full mode (both planes)
+# and the plain fp16 step were ~50 us slower at batch 1 and full up to 300 us slower above it; half the L2 slowed
+# every mode (fast 2.685 ms at batch 1). So only the one-plane fast modes prefetch.
+L2_PREFETCH_SHARE: dict[str, dict[str, float]] = {"sm90": {"weight_only": 0.125, "fp8": 0.125}}
 _ALIGN = 16  # cp.async.bulk: 16-byte aligned address, size a multiple of 16
 
 # $1 address, $2 bytes (0: this thread has no piece).
@@ -54,17 +57,18 @@ def prefetch_rows_l2(base_ptr, first_row, N, stride_n, k_start_bytes, BLOCK_N: t
     tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch_plan(tensor, rows_per_program: int, programs: int, k_per_split: int, splits: int, num_warps: int,
-                  lower=None) -> dict:
+def prefetch_plan(tensor, mode: str, rows_per_program: int, programs: int, k_per_split: int, splits: int,
+                  num_warps: int, lower=None) -> dict:
     """The kernel keywords ``PREFETCH_ROW_BYTES``, ``PREFETCH_CHUNKS`` and ``PREFETCH_THREADS`` for
-    ``prefetch_rows_l2`` on a row-major [N, K] ``tensor`` read by ``programs`` programs of ``rows_per_program`` rows
-    and ``k_per_split`` columns each (``splits`` K ranges; the last may be short, and a prefetch stays inside its
-    row): ROW_BYTES 0 (off) unless this platform launches programmatically on an arch with a budget and the rows
-    allow aligned bulk copies. ``lower``: full mode's second plane, prefetched alike (it halves each plane's share of
-    the budget). ROW_BYTES is a power of two, so a shape compiles one variant whatever its grid."""
+    ``prefetch_rows_l2`` on a row-major [N, K] ``tensor`` read in GEMM ``mode`` by ``programs`` programs of
+    ``rows_per_program`` rows and ``k_per_split`` columns each (``splits`` K ranges; the last may be short, and a
+    prefetch stays inside its row): ROW_BYTES 0 (off) unless this platform launches programmatically on an arch with
+    a budget for ``mode`` and the rows allow aligned bulk copies. ``lower``: full mode's second plane, prefetched
+    alike (it halves each plane's share of the budget). ROW_BYTES is a power of two, so a shape compiles one variant
+    whatever its grid."""
     off = {"PREFETCH_ROW_BYTES": 0, "PREFETCH_CHUNKS": 1, "PREFETCH_THREADS": 32}
     platform = current_platform()
-    budget = int(L2_PREFETCH_SHARE.get(platform.arch, 0.0) * platform.l2_bytes)
+    budget = int(L2_PREFETCH_SHARE.get(platform.arch, {}).get(mode, 0.0) * platform.l2_bytes)
     size = tensor.element_size()
     planes = [tensor] if lower is None else [tensor, lower]
     if (not budget or not platform.programmatic_launch or platform.vendor is not Vendor.NVIDIA or triton_interpret()

@@ -79,8 +79,9 @@ FP8_MIN_M_QUANTIZED_INPUT = {"sm90": 1}
 FP8_MIN_M_QUANTIZED_LONG_INPUT = {"sm90": 2}
 # Where the split-K partials are summed by the tile's last split inside the GEMM launch (arrivals.py) instead of by
 # _split_k_reduce_kernel: the reduce costs a launch, 36 us a batch-2 fast step on the H200 (down_proj's two splits,
-# session 22's profile, h200-decode-kernels-s22-pdl-off.json). The interpreter runs it so the CPU tests pin it; GPUs
-# keep the reduce kernel until it is timed there (ci/gpu/split_k_merge_round.sh).
+# session 22's profile, h200-decode-kernels-s22-pdl-off.json). Timed side by side on the H200 (session 23, call 1,
+# Llama-3.1-8B decode step): equal at batches 1-2 and 32, 20-55 us faster in full mode at batches 4-16 (b16 5.509 ->
+# 5.454 ms) and within +-26 us in fast mode.
 SPLIT_K_MERGE = {"cpu": True, "sm90": True}
 
 
@@ -277,7 +278,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     counters = arrival_counters("nested_gemm", x.device, tiles) if merge else out
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     # Prefetch where one row tile reads the weight once (decode sizes); larger M is bound by the MMAs.
-    prefetch = prefetch_plan(upper, config.block_n, tiles * split, k_per_split, split, config.num_warps,
+    prefetch = prefetch_plan(upper, mode, config.block_n, tiles * split, k_per_split, split, config.num_warps,
                              lower=lower if mode == "full" else None) if m <= config.block_m else {}
     _nested_gemm_kernel[(tiles, split)](
         x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only

@@ -212,7 +212,7 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
     split = config.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
-    prefetch = prefetch_plan(w, config.block_n, triton.cdiv(n, config.block_n) * split, k_per_split, split,
+    prefetch = prefetch_plan(w, mode, config.block_n, triton.cdiv(n, config.block_n) * split, k_per_split, split,
                              config.num_warps, lower=lower if mode == "full" else None)
     _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split)](
         x, w, lower, bias if bias is not None else x, target,
