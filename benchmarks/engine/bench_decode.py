@@ -274,6 +274,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="share of the L2 one decode GEMM launch in MODE (full, weight_only, fp8, plain) may prefetch "
                         "weights into before waiting on the kernel before it, replacing this GPU's row of "
                         "l2_prefetch.L2_PREFETCH_SHARE (no values: off); default: the table's")
+    p.add_argument("--skinny-plain-max-rows", type=int, default=None,
+                   help="most rows a plain fp16 linear (lm_head; every linear of static-fp16) sends to the skinny "
+                        "kernel on this GPU (configs.SKINNY_MAX_M[arch]['plain']; 0: none); default: the table's")
     p.add_argument("--fp8-min-rows", type=int, default=None,
                    help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
     p.add_argument("--split-quant-max-rows", type=int, default=None,
@@ -301,7 +304,7 @@ def _mode_share(text: str) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from elastiserve.kernels import l2_prefetch, nested_gemm, silu_mul
+    from elastiserve.kernels import configs, l2_prefetch, nested_gemm, silu_mul
     from elastiserve.platforms import current_platform
 
     args = parse_args(argv)
@@ -314,10 +317,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
                  (nested_gemm.SPLIT_K_MERGE, args.split_k_merge),
                  (l2_prefetch.L2_PREFETCH_SHARE, None if args.l2_prefetch is None else dict(args.l2_prefetch))]
+    arch = current_platform().arch
+    if args.skinny_plain_max_rows is not None:
+        overrides.append((configs.SKINNY_MAX_M, dict(configs.SKINNY_MAX_M.get(arch, {}),
+                                                     plain=args.skinny_plain_max_rows)))
     saved = [dict(table) for table, _ in overrides]
     for table, value in overrides:  # before any graph is captured: the routing is baked into them
         if value is not None:
-            table[current_platform().arch] = value
+            table[arch] = value
     try:
         return _run(args)
     finally:

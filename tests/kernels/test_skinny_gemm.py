@@ -197,7 +197,7 @@ def test_config_validation(kwargs):
 
 
 def test_skinny_routing_follows_the_measured_table():
-    sm90 = {"plain": 1, "full": 2, "weight_only": 1}  # configs.SKINNY_MAX_M says where these come from
+    sm90 = {"plain": 2, "full": 2, "weight_only": 1}  # configs.SKINNY_MAX_M says where these come from
     for arch in configs.TABLES:
         for mode in configs.SKINNY_MODES:
             for m in (1, 2, 3):
@@ -206,6 +206,8 @@ def test_skinny_routing_follows_the_measured_table():
                 assert (routed is not None) == expected, (arch, mode, m)
     assert configs.choose_skinny("sm90", "full", 1, 6144, 4096, 132) == SkinnyConfig(8, 2048, 8, 3, 1, True)
     assert configs.choose_skinny("sm90", "plain", 1, 6144, 4096, 132).ptx_decode is False
+    two_rows = configs.choose_skinny("sm90", "plain", 2, 128256, 4096, 132)  # lm_head at batch 2
+    assert (two_rows.block_n, two_rows.block_k, two_rows.num_warps, two_rows.split_k) == (4, 2048, 8, 1)
     wide, narrow = (configs.choose_skinny("sm90", "weight_only", 1, n, 4096, 132) for n in (28672, 6144))
     assert (wide.block_n, wide.block_k, wide.num_warps) == (16, 1024, 8) and narrow.block_k == 2048
     assert configs.choose_skinny("cpu", "fp8", 1, 64, 64, 2) is None

@@ -297,9 +297,12 @@ class SkinnyConfig:
 # graphs over weights past the L2): at M = 1 the skinny kernel beat cuBLAS fp16 on every shape in every mode (plain
 # 1.04-1.26x, full 1.06-1.30x, weight-only 1.67-1.87x) and the tl.dot nested kernel (full 1.18-1.26x, weight-only
 # 1.20-1.53x); at M = 2 only full mode still beat the tl.dot kernel on all four (1.05-1.11x); from M = 4 it lost.
+# Plain at M = 2 since session 24: after session 22's per-load accumulators the kernel read lm_head (128256 x 4096,
+# 1.05 GB) at two rows in 229.6 us against cuBLAS's 272.7 (session 23, call 1; 4x2048 at 8 warps), and full mode,
+# which reads the same bytes, beat cuBLAS fp16 at two rows on all four shapes (h200-skinny-vec-s22-m2.json).
 # Other GPU archs are not timed: empty. The interpreter takes every M so the CPU tests reach it through the dispatch.
 SKINNY_MAX_M: dict[str, dict[str, int]] = {
-    "sm90": {"plain": 1, "full": 2, "weight_only": 1}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
+    "sm90": {"plain": 2, "full": 2, "weight_only": 1}, "sm89": {}, "sm80": {}, "gfx942": {}, "gfx950": {},
     "cpu": dict.fromkeys(SKINNY_MODES, SKINNY_MAX_ROWS),
 }
 # sm90 tiles since the per-load accumulators (session 22, benchmarks/kernels/results/h200-skinny-vec-s22-m{1,2}.json:
@@ -314,6 +317,7 @@ SKINNY_MAX_M: dict[str, dict[str, int]] = {
 # torch._scaled_mm's 32.5 in session 22's GEMM table.
 _SKINNY_SM90 = {
     ("plain", 1): SkinnyConfig(4, 4096, num_warps=16, num_stages=3),
+    ("plain", 2): SkinnyConfig(4, 2048, num_warps=8, num_stages=3),
     ("full", 1): SkinnyConfig(8, 2048, num_warps=8, num_stages=3),
     ("full", 2): SkinnyConfig(8, 1024, num_warps=8, num_stages=3),
     ("weight_only", 1): SkinnyConfig(16, 2048, num_warps=16, num_stages=3),
