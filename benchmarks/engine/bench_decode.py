@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from decode_setup import (
     GIB,
+    LoopWatch,
     build_engine,
     copy_bandwidth,
     decode_inputs,
@@ -186,16 +187,18 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         for i, (p, o) in enumerate(lengths):
             params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
             engine.add_request(f"tp-{i}", prompt_ids(engine.vocab_size, p, rng), params)
-        t0 = time.perf_counter()
         produced = 0
-        while engine.has_unfinished():
-            produced += sum(len(out.new_token_ids) for out in engine.step())
-        total = time.perf_counter() - t0
+        with LoopWatch(engine) as watch:
+            t0 = time.perf_counter()
+            while engine.has_unfinished():
+                produced += sum(len(out.new_token_ids) for out in engine.step())
+                watch.step_done()
+            total = time.perf_counter() - t0
         stats = engine.stats()
         rows.append({"policy": policy, "requests": len(lengths), "output_tokens": produced, "total_s": total,
                      "output_tokens_per_s": produced / total, "preemptions": stats["preemptions"] -
                      before["preemptions"], "steps": stats["steps"] - before["steps"],
-                     "transitions": stats["transitions"], "kv_blocks": stats["total_blocks"]})
+                     "transitions": stats["transitions"], "kv_blocks": stats["total_blocks"], **watch.summary()})
         print(f"throughput {json.dumps(rows[-1])}", flush=True)  # kept in the log if a time limit cuts the run
         engine.close()
         del engine
@@ -234,7 +237,9 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"(d) offline throughput, {t['trace']}, max_model_len {t['max_model_len']}")
         for r in t["policies"]:
             lines.append(f"    {r['policy']:12s} {r['output_tokens']:8d} tokens {r['total_s']:8.1f} s "
-                         f"{r['output_tokens_per_s']:9.1f} tok/s  preemptions {r['preemptions']}")
+                         f"{r['output_tokens_per_s']:9.1f} tok/s  preemptions {r['preemptions']}  steps: median "
+                         f"{r['step_s']['median'] * 1e3:.2f} ms, {r['step_s']['sum']:.1f} s in all; "
+                         f"{r['compiles_in_loop']} compiles, {r['graphs_captured_in_loop']} captures in the loop")
     return "\n".join(lines)
 
 

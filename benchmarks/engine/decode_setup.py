@@ -175,3 +175,56 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 def kv_bytes_read(model_config: Any, tokens: int) -> int:
     mc = model_config
     return tokens * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2
+
+
+# ---- what a timed loop did besides its steps -------------------------------------------------------------------
+class LoopWatch:
+    """Around a timed engine loop: the Triton kernels compiled inside it (by ``jit_post_compile_hook``: a variant the
+    engine's warm-up missed compiles, or loads from the disk cache, inside somebody's step), the CUDA graphs captured
+    inside it, and each step's seconds (``LLMEngine.stats()["step_s"]``, read by ``step_done``). Written to tell a
+    slow policy's steps from its one-off costs (session 24: dps 7.8 ms a step slower than static-fp8 in the same
+    mode)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.compiled: list[str] = []
+        self.step_s: list[float] = []
+        self._graphs = self._num_graphs()
+        self._last = engine.last_step
+
+    def _num_graphs(self) -> int:
+        graphs = getattr(self.engine.runner, "graphs", None)
+        return 0 if graphs is None else len(graphs.graphs)
+
+    def __enter__(self) -> LoopWatch:
+        import triton
+
+        self._knobs = triton.knobs.runtime
+        self._previous = self._knobs.jit_post_compile_hook
+
+        def hook(*, fn, **_: Any) -> None:
+            self.compiled.append(fn.name)
+            if self._previous is not None:
+                self._previous(fn=fn, **_)
+
+        self._knobs.jit_post_compile_hook = hook
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._knobs.jit_post_compile_hook = self._previous
+
+    def step_done(self) -> None:
+        last = self.engine.last_step  # a new dict for every step that ran a batch; an empty step keeps the old one
+        if last is not self._last and "step_s" in last:
+            self.step_s.append(last["step_s"])
+        self._last = last
+
+    def summary(self) -> dict[str, Any]:
+        steps = sorted(self.step_s)
+        median = statistics.median(steps) if steps else 0.0
+        slow = [s for s in steps if s > 10 * median]
+        return {"compiles_in_loop": len(self.compiled), "compiled_kernels": sorted(set(self.compiled)),
+                "graphs_captured_in_loop": self._num_graphs() - self._graphs,
+                "step_s": {"median": median, "p90": steps[int(0.9 * len(steps))] if steps else 0.0,
+                           "max": steps[-1] if steps else 0.0, "sum": sum(steps)},
+                "steps_over_10x_median": len(slow), "seconds_in_those": sum(slow)}

@@ -73,6 +73,9 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     tokens = {r["output_tokens"] for r in tp["policies"]}
     assert len(tokens) == 1 and tokens.pop() > 8  # every policy produced the same exact-length outputs
     assert all(r["requests"] == 8 and r["output_tokens_per_s"] > 0 for r in tp["policies"])
+    for r in tp["policies"]:  # the loop watch: the interpreter compiles nothing, the CPU captures no graph
+        assert r["compiles_in_loop"] == 0 and r["compiled_kernels"] == [] and r["graphs_captured_in_loop"] == 0
+        assert 0 < r["step_s"]["median"] <= r["step_s"]["max"] and r["step_s"]["sum"] <= r["total_s"]
 
 
 def test_l2_prefetch_flag_replaces_the_arch_row_per_mode():
