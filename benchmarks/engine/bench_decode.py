@@ -238,7 +238,8 @@ def format_report(result: dict[str, Any]) -> str:
         for r in t["policies"]:
             lines.append(f"    {r['policy']:12s} {r['output_tokens']:8d} tokens {r['total_s']:8.1f} s "
                          f"{r['output_tokens_per_s']:9.1f} tok/s  preemptions {r['preemptions']}  steps: median "
-                         f"{r['step_s']['median'] * 1e3:.2f} ms, {r['step_s']['sum']:.1f} s in all; "
+                         f"{r['step_s']['median'] * 1e3:.2f} ms, {r['step_s']['sum']:.1f} s in all, "
+                         f"{r['full_steps']} full ({r['full_step_s_sum']:.1f} s); "
                          f"{r['compiles_in_loop']} compiles, {r['graphs_captured_in_loop']} captures in the loop")
     return "\n".join(lines)
 

@@ -181,14 +181,16 @@ def kv_bytes_read(model_config: Any, tokens: int) -> int:
 class LoopWatch:
     """Around a timed engine loop: the Triton kernels compiled inside it (by ``jit_post_compile_hook``: a variant the
     engine's warm-up missed compiles, or loads from the disk cache, inside somebody's step), the CUDA graphs captured
-    inside it, and each step's seconds (``LLMEngine.stats()["step_s"]``, read by ``step_done``). Written to tell a
-    slow policy's steps from its one-off costs (session 24: dps 7.8 ms a step slower than static-fp8 in the same
-    mode)."""
+    inside it, and each step's seconds (``LLMEngine.stats()["step_s"]``, read by ``step_done``), split by whether
+    the step ran any layer in FP8. Written to tell a slow policy's steps from its one-off costs (session 24: dps 7.8
+    ms a step slower than static-fp8; on the CPU, with a pool a little short, dps ran its first 187 of 1,322 steps
+    in full mode at large batches before the pool filled, where full mode's nested GEMM is ~0.5x cuBLAS)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.compiled: list[str] = []
         self.step_s: list[float] = []
+        self.fast_step_s: list[float] = []  # steps with at least one layer in FP8
         self._graphs = self._num_graphs()
         self._last = engine.last_step
 
@@ -217,6 +219,8 @@ class LoopWatch:
         last = self.engine.last_step  # a new dict for every step that ran a batch; an empty step keeps the old one
         if last is not self._last and "step_s" in last:
             self.step_s.append(last["step_s"])
+            if self.engine.runner.fast_layers:  # what that step ran (the next switch happens inside the next step)
+                self.fast_step_s.append(last["step_s"])
         self._last = last
 
     def summary(self) -> dict[str, Any]:
@@ -227,4 +231,7 @@ class LoopWatch:
                 "graphs_captured_in_loop": self._num_graphs() - self._graphs,
                 "step_s": {"median": median, "p90": steps[int(0.9 * len(steps))] if steps else 0.0,
                            "max": steps[-1] if steps else 0.0, "sum": sum(steps)},
-                "steps_over_10x_median": len(slow), "seconds_in_those": sum(slow)}
+                "steps_over_10x_median": len(slow), "seconds_in_those": sum(slow),
+                "fast_steps": len(self.fast_step_s), "fast_step_s_sum": sum(self.fast_step_s),
+                "full_steps": len(steps) - len(self.fast_step_s),
+                "full_step_s_sum": sum(steps) - sum(self.fast_step_s)}

@@ -76,6 +76,9 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     for r in tp["policies"]:  # the loop watch: the interpreter compiles nothing, the CPU captures no graph
         assert r["compiles_in_loop"] == 0 and r["compiled_kernels"] == [] and r["graphs_captured_in_loop"] == 0
         assert 0 < r["step_s"]["median"] <= r["step_s"]["max"] and r["step_s"]["sum"] <= r["total_s"]
+        assert 0 < r["fast_steps"] + r["full_steps"] <= r["steps"]  # the steps that ran a batch
+        assert r["fast_step_s_sum"] + r["full_step_s_sum"] == pytest.approx(r["step_s"]["sum"])
+        assert r["fast_steps"] == 0  # static-fp16 and elastickv never run a layer in FP8
 
 
 def test_l2_prefetch_flag_replaces_the_arch_row_per_mode():
