@@ -39,7 +39,7 @@ from elastiserve.kernels.fp8_activations import (
 )
 from elastiserve.kernels.l2_prefetch import prefetch_plan, prefetch_rows_l2
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
-from elastiserve.kernels.merge_planes import merge_planes
+from elastiserve.kernels.merge_planes import full_via_merged_weight
 from elastiserve.kernels.weight_decode import load_weight_tile
 from elastiserve.platforms import ConfigError, FastGemm, Vendor, current_platform
 from elastiserve.platforms.env import triton_interpret
@@ -320,16 +320,6 @@ def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = Fals
     if platform.fast_gemm in (FastGemm.FP8_MMA, FastGemm.FP8_MMA_FNUZ) and m >= min_m:
         return "fp8"
     return "weight_only"
-
-
-def full_via_merged_weight(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
-                           nesting: int, weight_exp: int = 0) -> torch.Tensor:
-    """Full mode for many rows: decode the exact fp16 weight once into scratch, then the vendor fp16 GEMM."""
-    w = merge_planes(upper, lower, nesting)  # w * 2^-weight_exp, exact
-    if weight_exp == 0:
-        return torch.nn.functional.linear(x, w, bias)
-    y = torch.mm(x, w.t()).mul_(2.0 ** formats.check_weight_exp(weight_exp))  # power of two: exact scaling
-    return y if bias is None else y.add_(bias)
 
 
 @torch.library.custom_op("elastiserve::nested_linear", mutates_args=())
