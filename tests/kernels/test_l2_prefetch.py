@@ -84,7 +84,8 @@ def test_plan_refuses_unaligned_rows(sm90):
     odd = torch.zeros(64 * 4096 + 1, dtype=torch.uint8)[1:].view(64, 4096)  # base off 16 bytes
     assert prefetch_plan(odd, "weight_only", 16, 4, 4096, 1, 4) == OFF
     aligned = torch.zeros(64, 4096, dtype=torch.uint8)
-    assert prefetch_plan(aligned, "weight_only", 16, 4, 4096, 1, 4, lower=odd) == OFF  # either plane
+    assert prefetch_plan(aligned, "full", 16, 4, 4096, 1, 4, lower=odd) == OFF  # either plane of full mode
+    assert prefetch_plan(aligned, "weight_only", 16, 4, 4096, 1, 4, lower=odd)["PREFETCH_ROW_BYTES"] == 4096  # unread
     assert prefetch_plan(aligned, "weight_only", 16, 8, 1000, 2, 4) == OFF  # a split starting off 16 bytes
     assert prefetch_plan(aligned.t(), "weight_only", 16, 4, 64, 1, 4) == OFF  # not row-major
     assert prefetch_plan(aligned, "weight_only", 16, 4, 4096, 1, 4)["PREFETCH_ROW_BYTES"] == 4096

@@ -63,14 +63,14 @@ def prefetch_plan(tensor, mode: str, rows_per_program: int, programs: int, k_per
     ``prefetch_rows_l2`` on a row-major [N, K] ``tensor`` read in GEMM ``mode`` by ``programs`` programs of
     ``rows_per_program`` rows and ``k_per_split`` columns each (``splits`` K ranges; the last may be short, and a
     prefetch stays inside its row): ROW_BYTES 0 (off) unless this platform launches programmatically on an arch with
-    a budget for ``mode`` and the rows allow aligned bulk copies. ``lower``: full mode's second plane, prefetched
-    alike (it halves each plane's share of the budget). ROW_BYTES is a power of two, so a shape compiles one variant
-    whatever its grid."""
+    a budget for ``mode`` and the rows allow aligned bulk copies. ``lower``: the second plane, prefetched alike in
+    full mode only (it halves each plane's share of the budget; the other modes never read it, and an evicted lower
+    plane holds KV). ROW_BYTES is a power of two, so a shape compiles one variant whatever its grid."""
     off = {"PREFETCH_ROW_BYTES": 0, "PREFETCH_CHUNKS": 1, "PREFETCH_THREADS": 32}
     platform = current_platform()
     budget = int(L2_PREFETCH_SHARE.get(platform.arch, {}).get(mode, 0.0) * platform.l2_bytes)
     size = tensor.element_size()
-    planes = [tensor] if lower is None else [tensor, lower]
+    planes = [tensor, lower] if mode == "full" and lower is not None else [tensor]
     if (not budget or not platform.programmatic_launch or platform.vendor is not Vendor.NVIDIA or triton_interpret()
             or (k_per_split * size) % _ALIGN or not all(_bulk_aligned(plane) for plane in planes)):
         return off

@@ -279,7 +279,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     # Prefetch where one row tile reads the weight once (decode sizes); larger M is bound by the MMAs.
     prefetch = prefetch_plan(upper, mode, config.block_n, tiles * split, k_per_split, split, config.num_warps,
-                             lower=lower if mode == "full" else None) if m <= config.block_m else {}
+                             lower=lower) if m <= config.block_m else {}
     _nested_gemm_kernel[(tiles, split)](
         x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only
         upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),

@@ -213,7 +213,7 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     prefetch = prefetch_plan(w, mode, config.block_n, triton.cdiv(n, config.block_n) * split, k_per_split, split,
-                             config.num_warps, lower=lower if mode == "full" else None)
+                             config.num_warps, lower=lower)
     _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split)](
         x, w, lower, bias if bias is not None else x, target,
         m, n, k, k_per_split,
