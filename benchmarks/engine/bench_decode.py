@@ -45,6 +45,7 @@ from decode_setup import (
     first_rows,
     free_device_memory,
     kv_bytes_read,
+    log_compiles,
     metadata,
     prompt_ids,
     resolve_model,
@@ -176,6 +177,7 @@ def sharegpt_requests(args: argparse.Namespace) -> tuple[list[tuple[int, int]], 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     lengths, trace = sharegpt_requests(args)
+    log_compiles()  # before any engine: LoopWatch compares the loop's compiles with every one before it
     rows = []
     for policy in args.policies:
         engine = build_engine(args, policy, max_num_seqs=args.max_num_seqs, kv_bytes=args.throughput_kv_bytes)
@@ -200,6 +202,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                      before["preemptions"], "steps": stats["steps"] - before["steps"],
                      "transitions": stats["transitions"], "kv_blocks": stats["total_blocks"], **watch.summary()})
         print(f"throughput {json.dumps(rows[-1])}", flush=True)  # kept in the log if a time limit cuts the run
+        for variant in rows[-1]["compiled_variants"]:
+            print(f"    compiled in the loop: {variant['kernel']}: {variant['differs_in']}", flush=True)
         engine.close()
         del engine
         free_device_memory()

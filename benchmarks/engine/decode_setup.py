@@ -178,42 +178,86 @@ def kv_bytes_read(model_config: Any, tokens: int) -> int:
 
 
 # ---- what a timed loop did besides its steps -------------------------------------------------------------------
+_COMPILES: list[tuple[str, str]] = []  # (kernel, Triton's repr of the variant) of every compile in this process
+
+
+def log_compiles() -> None:
+    """Record every Triton compile of this process from now on (``_COMPILES``), keeping any hook already set, so
+    that ``LoopWatch`` can name what a variant compiled inside a timed loop differs in from those compiled before."""
+    import triton
+
+    knobs = triton.knobs.runtime
+    previous = knobs.jit_post_compile_hook
+    if getattr(previous, "_logs_compiles", False):
+        return
+
+    def hook(*, fn, repr, **rest: Any) -> Any:
+        _COMPILES.append((fn.name, repr))
+        return previous(fn=fn, repr=repr, **rest) if previous is not None else None
+
+    hook._logs_compiles = True
+    knobs.jit_post_compile_hook = hook
+
+
+def variant_args(variant: str) -> dict[str, str]:
+    """``name[options](arg: type, ...)`` (Triton's repr of a compiled variant) as {arg: type, "options": ...}; the
+    type carries the specialization (``constexpr[1]`` for an integer 1, a trailing ``D`` for 16-divisible)."""
+    head, _, args = variant.partition("](")
+    out = {"options": head.partition("[")[2]}
+    for part in args.rstrip(")").split(", "):
+        name, sep, ty = part.partition(": ")
+        if sep:
+            out[name] = ty
+    return out
+
+
+def variant_difference(variant: str, earlier: list[str]) -> str:
+    """The arguments in which ``variant`` differs from the nearest of ``earlier`` (same kernel), as
+    ``arg: before -> now``; every argument when there is no earlier variant."""
+    now = variant_args(variant)
+    best: dict[str, tuple[str | None, str]] | None = None
+    for other in earlier:
+        before = variant_args(other)
+        diff = {k: (before.get(k), v) for k, v in now.items() if before.get(k) != v}
+        if best is None or len(diff) < len(best):
+            best = diff
+    if best is None:
+        return "first variant of this kernel"
+    return "; ".join(f"{k}: {b} -> {v}" for k, (b, v) in best.items())
+
+
 class LoopWatch:
-    """Around a timed engine loop: the Triton kernels compiled inside it (by ``jit_post_compile_hook``: a variant the
-    engine's warm-up missed compiles, or loads from the disk cache, inside somebody's step), the CUDA graphs captured
-    inside it, and each step's seconds (``LLMEngine.stats()["step_s"]``, read by ``step_done``), split by whether
-    the step ran any layer in FP8. Written to tell a slow policy's steps from its one-off costs (session 24: dps 7.8
-    ms a step slower than static-fp8; on the CPU, with a pool a little short, dps ran its first 187 of 1,322 steps
-    in full mode at large batches before the pool filled, where full mode's nested GEMM is ~0.5x cuBLAS)."""
+    """Around a timed engine loop: the Triton kernels compiled inside it (a variant the engine's warm-up missed
+    compiles, or loads from the disk cache, inside somebody's step), with the arguments each differs in from the
+    nearest variant compiled before the loop (``log_compiles`` must be on from before the engine was built), the
+    CUDA graphs captured inside it, and each step's seconds (``LLMEngine.stats()["step_s"]``, read by
+    ``step_done``), split by whether the step ran any layer in FP8. Written to tell a slow policy's steps from its
+    one-off costs: session 24's dps was 7.8 ms a step slower than static-fp8; session 25 found the first nested
+    engine of a process compiling 17 variants in its loop (20 s in 30 steps), whichever policy it was."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.compiled: list[str] = []
         self.step_s: list[float] = []
         self.fast_step_s: list[float] = []  # steps with at least one layer in FP8
         self._graphs = self._num_graphs()
         self._last = engine.last_step
+        self._first = self._end = 0
 
     def _num_graphs(self) -> int:
         graphs = getattr(self.engine.runner, "graphs", None)
         return 0 if graphs is None else len(graphs.graphs)
 
     def __enter__(self) -> LoopWatch:
-        import triton
-
-        self._knobs = triton.knobs.runtime
-        self._previous = self._knobs.jit_post_compile_hook
-
-        def hook(*, fn, **_: Any) -> None:
-            self.compiled.append(fn.name)
-            if self._previous is not None:
-                self._previous(fn=fn, **_)
-
-        self._knobs.jit_post_compile_hook = hook
+        log_compiles()
+        self._first = self._end = len(_COMPILES)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._knobs.jit_post_compile_hook = self._previous
+        self._end = len(_COMPILES)
+
+    @property
+    def compiled(self) -> list[tuple[str, str]]:
+        return _COMPILES[self._first:self._end]
 
     def step_done(self) -> None:
         last = self.engine.last_step  # a new dict for every step that ran a batch; an empty step keeps the old one
@@ -227,7 +271,11 @@ class LoopWatch:
         steps = sorted(self.step_s)
         median = statistics.median(steps) if steps else 0.0
         slow = [s for s in steps if s > 10 * median]
-        return {"compiles_in_loop": len(self.compiled), "compiled_kernels": sorted(set(self.compiled)),
+        before = _COMPILES[:self._first]
+        variants = [{"kernel": name, "differs_in": variant_difference(v, [r for n, r in before if n == name])}
+                    for name, v in self.compiled]
+        return {"compiles_in_loop": len(self.compiled), "compiled_kernels": sorted({n for n, _ in self.compiled}),
+                "compiled_variants": variants,
                 "graphs_captured_in_loop": self._num_graphs() - self._graphs,
                 "step_s": {"median": median, "p90": steps[int(0.9 * len(steps))] if steps else 0.0,
                            "max": steps[-1] if steps else 0.0, "sum": sum(steps)},

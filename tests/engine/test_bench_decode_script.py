@@ -91,3 +91,17 @@ def test_l2_prefetch_flag_replaces_the_arch_row_per_mode():
     for bad in ("fp16=0.1", "fp8", "fp8=1.5", "fp8=x"):
         with pytest.raises(SystemExit):
             module.parse_args([*base, "--l2-prefetch", bad])
+
+
+def test_loop_watch_names_what_a_variant_compiled_in_the_loop_differs_in():
+    load_script()  # puts benchmarks/engine, and so decode_setup, on the path
+    import decode_setup
+
+    warm = ("_k[num_warps=4, num_ctas=1, num_stages=3, enable_fp_fusion=True, launch_cooperative_grid=False]"
+            "(x_ptr: *fp16D, M: i32, N: i32D, BLOCK: constexpr[64])")
+    other = warm.replace("x_ptr: *fp16D", "x_ptr: *fp16").replace("N: i32D", "N: i32")
+    loop = warm.replace("M: i32,", "M: constexpr[1],")
+    assert decode_setup.variant_args(loop)["M"] == "constexpr[1]"
+    assert decode_setup.variant_args(loop)["options"].startswith("num_warps=4")
+    assert decode_setup.variant_difference(loop, [other, warm]) == "M: i32 -> constexpr[1]"  # the nearest one
+    assert decode_setup.variant_difference(loop, []) == "first variant of this kernel"
