@@ -192,22 +192,39 @@ def log_compiles() -> None:
         return
 
     def hook(*, fn, repr, **rest: Any) -> Any:
-        _COMPILES.append((fn.name, repr))
+        _COMPILES.append((fn.name, repr + constexpr_suffix(fn, rest.get("compile") or {})))
         return previous(fn=fn, repr=repr, **rest) if previous is not None else None
 
     hook._logs_compiles = True
     knobs.jit_post_compile_hook = hook
 
 
+def constexpr_suffix(fn: Any, compile_info: dict) -> str:
+    """`` constexprs(NAME=value, ...)``: the constexpr values of a compiled variant, which Triton's repr leaves out
+    (it prints their type only); the hook's ``compile["constants"]`` keys them by argument path."""
+    names = getattr(getattr(fn, "jit_function", None), "arg_names", [])
+    parts = []
+    for path, value in (compile_info.get("constants") or {}).items():
+        index = path[0] if isinstance(path, tuple) and len(path) == 1 else path
+        parts.append(f"{names[index] if isinstance(index, int) and index < len(names) else path}={value}")
+    return f" constexprs({', '.join(sorted(parts))})" if parts else ""
+
+
 def variant_args(variant: str) -> dict[str, str]:
-    """``name[options](arg: type, ...)`` (Triton's repr of a compiled variant) as {arg: type, "options": ...}; the
-    type carries the specialization (``constexpr[1]`` for an integer 1, a trailing ``D`` for 16-divisible)."""
+    """``name[options](arg: type, ...) constexprs(NAME=value, ...)`` (Triton's repr of a compiled variant, and
+    ``constexpr_suffix``) as {arg: type or =value, "options": ...}; the type carries the specialization
+    (``constexpr`` for an integer 1, a trailing ``D`` for 16-divisible)."""
+    variant, _, constants = variant.partition(" constexprs(")
     head, _, args = variant.partition("](")
     out = {"options": head.partition("[")[2]}
     for part in args.rstrip(")").split(", "):
         name, sep, ty = part.partition(": ")
         if sep:
             out[name] = ty
+    for part in constants.rstrip(")").split(", "):
+        name, sep, value = part.partition("=")
+        if sep:
+            out[name] = f"={value}"
     return out
 
 

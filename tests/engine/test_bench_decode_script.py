@@ -105,3 +105,12 @@ def test_loop_watch_names_what_a_variant_compiled_in_the_loop_differs_in():
     assert decode_setup.variant_args(loop)["options"].startswith("num_warps=4")
     assert decode_setup.variant_difference(loop, [other, warm]) == "M: i32 -> constexpr[1]"  # the nearest one
     assert decode_setup.variant_difference(loop, []) == "first variant of this kernel"
+    split = loop + " constexprs(BLOCK=64, SPLIT_K=2)"
+    assert decode_setup.variant_args(split)["SPLIT_K"] == "=2"
+    assert decode_setup.variant_difference(split, [loop + " constexprs(BLOCK=64, SPLIT_K=1)"]) == "SPLIT_K: =1 -> =2"
+
+    class Info:  # the hook's fn: Triton's JitFunctionInfo
+        jit_function = type("Jit", (), {"arg_names": ["x_ptr", "M", "N", "BLOCK"]})
+
+    assert decode_setup.constexpr_suffix(Info, {"constants": {(3,): 64}}) == " constexprs(BLOCK=64)"
+    assert decode_setup.constexpr_suffix(Info, {}) == ""

@@ -137,3 +137,27 @@ def test_warm_up_forwards_write_no_kv():
         assert runner.fast_layers == frozenset()
     finally:
         engine.close()
+
+
+def test_warm_up_linears_runs_each_kind_of_linear_at_the_warm_rows_in_each_mode(monkeypatch):
+    from elastiserve.engine import nested_weights
+
+    engine = engine_for("dps")
+    try:
+        runner = engine.runner
+        real_warm_up, calls = nested_weights.warm_up_linears, []
+        monkeypatch.setattr(nested_weights, "warm_up_linears",
+                            lambda linears, rows, device: calls.append((runner.fast_layers, linears, rows)))
+        rows = runner.warm_up_linears()
+        assert rows == sorted(rows) and rows[0] == 1 and max(rows) == 16  # up to the step's token budget
+        assert [fast for fast, _, _ in calls] == [frozenset(), frozenset(range(LAYERS))]  # dps: both modes
+        linears = calls[0][1]
+        kinds = {(type(m).__name__, m.out_features, m.in_features) for m in linears}
+        assert len(kinds) == len(linears) == 5  # one of each: qkv, o, gate_up, down (nested) and lm_head (plain)
+        assert {name for name, _, _ in kinds} == {"NestedLinear", "Linear"}
+        assert runner.fast_layers == frozenset()
+        runner.set_fast_layers(frozenset(range(LAYERS)))  # the real warm-up on the CPU, fp16 and Fp8Rows inputs
+        real_warm_up(linears, [1, 3], runner.device)
+        runner.set_fast_layers(frozenset())
+    finally:
+        engine.close()
