@@ -100,6 +100,34 @@ def test_more_splits_than_pairs_merge_only_the_filled_ones(device, path):
 
 
 @pytest.mark.parametrize("path", [NATIVE, STRUCTURED_SPLIT])
+def test_short_queries_run_unsplit_in_one_variant_per_tile(device, path, monkeypatch):
+    """Queries of 2-4 tokens in one tile beside decodes (a prefill's last tokens) run without KV splits and keep the
+    whole tile for path 3 + 4's merge, whatever split count is asked: split counts and merge rows are constexprs,
+    and choosing them from the batch and the query length compiled mid-run (session 25 on the H200)."""
+    from elastiserve.kernels import attention
+
+    launches, real = [], attention.paged_attention_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attention, "paged_attention_kernel", Recorder())
+    pair_base = [[], [], []] if path == NATIVE else [[3, 4, 5, 6], [], [2]]
+    batch = build_batch(device, [300, 17, 250], [3, 1, 4], pair_base, group=4, head_dim=32)
+    _, bounds, modes = metadata(batch, device, path)
+    expected = run_attention(batch, path, bounds, modes, ref=True)
+    torch.testing.assert_close(run_attention(batch, path, bounds, modes, num_splits=16), expected,
+                               atol=4e-3, rtol=1e-2)
+    assert launches and {launch["NUM_SPLITS"] for launch in launches} == {1}
+    assert all(launch["MERGE_ROWS"] == launch["BLOCK_M"] == 16 for launch in launches)  # 4 queries x group 4
+    assert not split_counters(batch.q.device, 0).any()
+
+
+@pytest.mark.parametrize("path", [NATIVE, STRUCTURED_SPLIT])
 def test_merge_leaves_its_counters_at_zero_for_the_next_call(device, path):
     """The merging program resets its (sequence, kv head) arrival counter: after a split decode call every counter
     is zero, and a second call (the next layer) and a larger batch (other counters) still merge right."""

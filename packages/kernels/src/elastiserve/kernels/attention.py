@@ -92,8 +92,13 @@ def _paged_attention_triton(
     block_m = choose_block_m(group_size, max_query_len)
     block_q = block_m // group_size
     num_q_blocks = triton.cdiv(max(1, max_query_len), block_q)
-    if num_q_blocks > 1:
-        num_splits = 1  # splitting KV pays off only when one tile holds every query of a sequence (decode)
+    if max_query_len > 1:
+        # Splitting KV pays off only when one tile holds every query of a sequence, and it is kept to decode (one
+        # query a sequence): a split count is a constexpr chosen from the batch size, so short queries in one tile
+        # (a prefill's last few tokens beside decodes) compiled a variant per batch size and query length inside
+        # somebody's step (session 25, ShareGPT on the H200: three mid-run compiles, up to 0.92 s a step). Decode
+        # batches compile theirs when their graphs are captured.
+        num_splits = 1
     elif num_splits <= 0:
         num_sms = current_platform().num_sms
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, num_sms)
@@ -108,9 +113,9 @@ def _paged_attention_triton(
     layer_view = kv_cache[:, layer]  # [N, 2, H, BS, D]; data_ptr includes the layer offset
     bounds = base_bounds if path in (STRUCTURED, STRUCTURED_SPLIT) else seq_lens
     modes = pair_mode if path == GENERAL else block_tables
-    # Rows a partial keeps for the merge: every query row of a decode tile (max_query_len <= block_q there), 4 of
-    # the 16 rows at Llama-8B's GQA group of 4.
-    merge_rows = min(block_m, triton.next_power_of_2(max(1, max_query_len) * group_size))
+    # Rows a partial keeps for the merge: a decode tile's query rows, 4 of the 16 at Llama-8B's GQA group of 4; a
+    # longer query (only path 3 + 4's two launches keep partials there) keeps the whole tile, one variant a tile.
+    merge_rows = min(block_m, triton.next_power_of_2(group_size)) if max_query_len <= 1 else block_m
     if partials:
         splits_shape = (batch, num_kv_heads, total_splits)
         part_acc = torch.empty((*splits_shape, merge_rows, block_d), dtype=torch.float32, device=q.device)
