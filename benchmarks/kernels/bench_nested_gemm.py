@@ -22,7 +22,6 @@ import triton
 from elastiserve.kernels import configs, formats, nested_gemm, nested_moe
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import quantize_per_token
-from elastiserve.kernels.merge_planes import full_via_merged_weight
 from elastiserve.platforms import current_platform
 
 SHAPES = {  # name -> (N, K)
@@ -36,7 +35,6 @@ SHAPES = {  # name -> (N, K)
     "qwen3-8b.down": (4096, 12288),
 }
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
-SLICE_MIB = (4, 8, 16)  # slice sizes of the materialized full path timed where it runs (fp16 MiB of weight rows)
 MOE = {"name": "qwen3-30b-a3b", "hidden": 2048, "expert_inter": 768, "experts": 128, "top_k": 8}
 ROTATE_BYTES = 400 << 20
 REPLAYS = 20
@@ -109,9 +107,7 @@ def bench_dense(name: str, n: int, k: int, m_values, tune: bool) -> list[dict]:
               f"{times['ours_fast']:8.1f} ({row['fast_vs_fp16']:.2f}x fp16, {row['fast_vs_scaled_mm']:.2f}x fp8)  "
               f"wo {times['ours_weight_only']:7.1f} fp8 {times['ours_fp8']:7.1f} fp8-rows "
               f"{times['ours_fp8_rows']:7.1f} ({row['fp8_rows_vs_fp16']:.2f}x) "
-              f"full-kernel {times['ours_full_kernel']:7.1f}"
-              + "".join(f" sliced-{mib}MiB {times[f'ours_full_sliced_{mib}mib']:7.1f}" for mib in SLICE_MIB
-                        if f"ours_full_sliced_{mib}mib" in times), flush=True)
+              f"full-kernel {times['ours_full_kernel']:7.1f}", flush=True)
     return rows
 
 
@@ -132,12 +128,6 @@ def time_dense_methods(x, x8, x_scale, weights) -> dict[str, float]:
         x, c["upper"], c["lower"], None, int(Nesting.E4M3), False) for c in weights])
     for mode in ("weight_only", "fp8"):
         times[f"ours_{mode}"] = times[f"ours_{mode}_kernel"]
-    # The materialized path in L2-sized slices of weight rows (merge_planes.MATERIALIZE_SLICES, empty until these
-    # columns are read): where full mode materializes, each slice size side by side with the whole-weight path.
-    if configs.materializes_full(current_platform().arch, x.shape[0]):
-        for mib in SLICE_MIB:
-            times[f"ours_full_sliced_{mib}mib"] = graph_time_us([lambda c=c, mib=mib: full_via_merged_weight(
-                x, c["upper"], c["lower"], None, int(Nesting.E4M3), slice_bytes=mib << 20) for c in weights])
     # The fp8 GEMM alone on rows already quantized, as the engine runs qkv, gate_up and down in fast mode since
     # session 17 (the norm or SiLU-and-mul before them writes the fp8 rows; o_proj still quantizes for itself).
     q, q_scale = quantize_per_token(x)

@@ -3,7 +3,8 @@
 # path in L2-sized slices of weight rows (merge_planes.MATERIALIZE_SLICES, empty until this runs). The GEMM table on
 # the four Llama-3.1-8B linears at 64-1,024 rows prints, where full mode materializes (65 rows up), the whole-weight
 # path (`full`) beside slices of 4 / 8 / 16 MiB (`sliced-*`), with cuBLAS fp16 in the same run; then the merge
-# tests on the GPU (the sliced path equals the whole-weight path at 256 x 6144 x 4096).
+# tests on the GPU (the sliced path equals the whole-weight path at 256 x 6144 x 4096). Ran in session 25: every
+# slice lost, and the sliced path and its columns were removed after it; check out 758da3c to run it again.
 source ci/gpu/bootstrap.sh
 set +e
 start_round

@@ -1,8 +1,6 @@
 """The packed-word plane merge (``elastiserve::merge_planes``) is bit-exact against ``formats.merge`` over every
 eligible fp16 pattern of both nestings, and the full-mode path built on it (merge once, vendor fp16 GEMM) matches
-the fp16 GEMM, prescaled layers included, whole or in L2-sized slices of weight rows."""
-
-import importlib
+the fp16 GEMM, prescaled layers included."""
 
 import pytest
 import torch
@@ -13,8 +11,6 @@ from elastiserve.kernels.merge_planes import merge_planes
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
-# the module, not the function the package re-exports under the same name
-merge_planes_module = importlib.import_module("elastiserve.kernels.merge_planes")
 ELIGIBLE_MAX = {Nesting.E4M3: formats.E4M3_MAX_ABS, Nesting.E5M2: formats.E5M2_MAX_ABS}
 
 
@@ -64,32 +60,3 @@ def test_full_via_merged_weight_matches_fp16_gemm(device, weight_exp):
 def test_many_row_full_mode_takes_the_merged_path_on_gpus():
     assert configs.materializes_full("sm90", 128) and not configs.materializes_full("sm90", 64)
     assert not configs.materializes_full("cpu", 4096)  # the interpreter keeps exercising the fused kernel
-
-
-@pytest.mark.parametrize("weight_exp", [0, 2])
-def test_sliced_materialized_path_equals_the_whole_weight(device, monkeypatch, weight_exp):
-    """The L2-sized slices (``MATERIALIZE_SLICES``): every output column is the dot product the whole-weight path
-    computes; n not a multiple of the slice (a short last slice); bias and the prescale applied once."""
-    gen = torch.Generator().manual_seed(4)
-    m, n, k = (5, 44, 64) if device.type == "cpu" else (256, 6144, 4096)
-    w = (torch.randn(n, k, generator=gen) * 0.05).half()
-    nesting, exp, _ = formats.choose_nesting(w)
-    upper, lower = (t.to(device) for t in formats.split(w, nesting, exp))
-    x, b = (t.to(device) for t in (torch.randn(m, k, generator=gen).half(), torch.randn(n, generator=gen).half()))
-    merges = []
-    real_merge = merge_planes_module.merge_planes
-    monkeypatch.setattr(merge_planes_module, "merge_planes", lambda *a, **kw: merges.append(1) or real_merge(*a, **kw))
-    whole = merge_planes_module.full_via_merged_weight(x, upper, lower, b, nesting, weight_exp)
-    assert len(merges) == 1
-    rows = 16 if device.type == "cpu" else 1000  # 44 = 16 + 16 + 12; 6144 = 6 x 1000 + 144
-    sliced = merge_planes_module.full_via_merged_weight(x, upper, lower, b, nesting, weight_exp,
-                                                        slice_bytes=2 * k * rows)
-    assert len(merges) == 1 + -(-n // rows)
-    assert torch.allclose(sliced.float(), whole.float(), rtol=2e-3, atol=2e-3 * float(whole.abs().max()))
-    # the table: an arch absent (or M above its bound) takes the whole weight; the override wins
-    monkeypatch.setattr(merge_planes_module, "MATERIALIZE_SLICES", {"sm90": (256, 8 << 20)})
-    assert merge_planes_module.materialize_slice_rows("sm90", 256, 6144, 4096) == 1024  # 8 MiB of fp16 rows
-    assert merge_planes_module.materialize_slice_rows("sm90", 257, 6144, 4096) == 6144
-    assert merge_planes_module.materialize_slice_rows("sm80", 64, 6144, 4096) == 6144
-    assert merge_planes_module.materialize_slice_rows("sm80", 64, 6144, 4096, slice_bytes=4 << 20) == 512
-    assert merge_planes_module.materialize_slice_rows("sm90", 64, 512, 4096) == 512  # a weight under one slice

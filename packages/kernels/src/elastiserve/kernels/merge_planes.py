@@ -9,7 +9,9 @@ The decode runs on packed words: the per-byte carry subtraction never borrows ac
 rounded up is at least 1 in its magnitude bits), so one 32-bit subtract serves four weights.
 
 ``full_via_merged_weight`` is full mode's path for many rows (``configs.MATERIALIZE_MIN_M``): the merge, then the
-vendor fp16 GEMM, whole or in L2-sized slices of weight rows (``MATERIALIZE_SLICES``).
+vendor fp16 GEMM. Merging in L2-sized slices of weight rows, so that the GEMM reads each slice from L2, was timed on
+the H200 and lost at every shape and M from 96 to 1,024 rows (1.07-8x slower: two launches a slice and short cuBLAS
+GEMMs; BENCHMARKS.md, kernels, session 25; code at 758da3c).
 
 Registered op: ``elastiserve::merge_planes(upper, lower, nesting) -> fp16``; reference: ``formats.merge``.
 """
@@ -25,12 +27,6 @@ from elastiserve.kernels.formats import Nesting
 from elastiserve.platforms import current_platform
 
 _BLOCK_WORDS = 1024
-# The materialized path in slices of weight rows small enough to stay in the L2 between the merge that writes them
-# and the GEMM that reads them, so that HBM carries the two planes once (what cuBLAS fp16 reads of an fp16 weight)
-# instead of the planes, the scratch's write and its read again: at 65-256 rows the whole-weight path took about
-# twice cuBLAS's time (qkv 46.3 against 22.0 us at 256 rows, session 18). Per arch: (most rows sliced, fp16 bytes
-# of a slice). Empty until timed (bench_nested_gemm.py's full-sliced columns): an arch absent here never slices.
-MATERIALIZE_SLICES: dict[str, tuple[int, int]] = {}
 
 
 @triton.jit
@@ -83,35 +79,11 @@ def _(upper, lower, nesting):
     return upper.new_empty(upper.shape, dtype=torch.float16)
 
 
-def materialize_slice_rows(arch: str, m: int, n: int, k: int, slice_bytes: int | None = None) -> int:
-    """Weight rows per slice of the materialized path for ``m`` rows of x (``n``: one slice, the whole weight);
-    ``slice_bytes`` overrides ``MATERIALIZE_SLICES`` (benchmarks)."""
-    if slice_bytes is None:
-        max_m, slice_bytes = MATERIALIZE_SLICES.get(arch, (0, 0))
-        if m > max_m:
-            return n
-    rows = slice_bytes // (2 * k) if k else n
-    return n if rows <= 0 or rows >= n else rows
-
-
 def full_via_merged_weight(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
-                           nesting: int, weight_exp: int = 0, slice_bytes: int | None = None) -> torch.Tensor:
-    """Full mode for many rows: decode the exact fp16 weight into scratch, then the vendor fp16 GEMM; in slices of
-    ``materialize_slice_rows`` weight rows where the table (or ``slice_bytes``) asks for them."""
-    n, k = upper.shape
-    rows = materialize_slice_rows(current_platform().arch, x.shape[0], n, k, slice_bytes)
-    if rows >= n:
-        w = merge_planes(upper, lower, nesting)  # w * 2^-weight_exp, exact
-        if weight_exp == 0:
-            return torch.nn.functional.linear(x, w, bias)
-        y = torch.mm(x, w.t())
-    else:
-        y = torch.empty((x.shape[0], n), dtype=torch.float16, device=x.device)
-        scratch = torch.empty((rows, k), dtype=torch.float16, device=x.device)
-        for first in range(0, n, rows):  # each output column's dot product is the unsliced one's
-            last = min(n, first + rows)
-            w = merge_planes(upper[first:last], lower[first:last], nesting, out=scratch[: last - first])
-            torch.mm(x, w.t(), out=y[:, first:last])
-    if weight_exp:
-        y.mul_(2.0 ** formats.check_weight_exp(weight_exp))  # power of two: exact scaling
+                           nesting: int, weight_exp: int = 0) -> torch.Tensor:
+    """Full mode for many rows: decode the exact fp16 weight once into scratch, then the vendor fp16 GEMM."""
+    w = merge_planes(upper, lower, nesting)  # w * 2^-weight_exp, exact
+    if weight_exp == 0:
+        return torch.nn.functional.linear(x, w, bias)
+    y = torch.mm(x, w.t()).mul_(2.0 ** formats.check_weight_exp(weight_exp))  # power of two: exact scaling
     return y if bias is None else y.add_(bias)

@@ -24,7 +24,8 @@ from elastiserve.platforms import current_platform
 
 
 def launch_key(m: int, n: int, k: int, arch: str | None = None, num_sms: int | None = None) -> tuple:
-    """Everything the GEMM dispatch picks from ``m`` rows for an [N, K] weight (defaults: this platform)."""
+    """Everything the GEMM dispatch picks from ``m`` rows for an [N, K] weight: the tables of ``arch`` with
+    ``num_sms`` (defaults: this platform's), the fast-mode route always this platform's (``fast_mode_for``)."""
     platform = current_platform()
     arch = platform.arch if arch is None else arch
     num_sms = platform.num_sms if num_sms is None else num_sms
