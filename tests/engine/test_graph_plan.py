@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import random_fp16_model, small_llama_config
+from tiny_models import random_fp16_model, small_llama_config, small_moe_config
 
 from elastiserve.engine.config import EngineConfig
 from elastiserve.engine.llm_engine import LLMEngine
@@ -139,16 +139,17 @@ def test_warm_up_forwards_write_no_kv():
         engine.close()
 
 
-def test_warm_up_linears_runs_each_kind_of_linear_at_the_warm_rows_in_each_mode(monkeypatch):
-    from elastiserve.engine import nested_weights
+def test_warm_up_by_rows_runs_each_kind_of_linear_at_the_warm_rows_in_each_mode(monkeypatch):
+    from elastiserve.engine import row_warmup
 
     engine = engine_for("dps")
     try:
         runner = engine.runner
-        real_warm_up, calls = nested_weights.warm_up_linears, []
-        monkeypatch.setattr(nested_weights, "warm_up_linears",
+        real_warm_up, calls = row_warmup.warm_up_linears, []
+        monkeypatch.setattr(row_warmup, "warm_up_linears",
                             lambda linears, rows, device: calls.append((runner.fast_layers, linears, rows)))
-        rows = runner.warm_up_linears()
+        rows, tokens = runner.warm_up_by_rows()
+        assert tokens == []  # a dense model has no MoE block
         assert rows == sorted(rows) and rows[0] == 1 and max(rows) == 16  # up to the step's token budget
         assert [fast for fast, _, _ in calls] == [frozenset(), frozenset(range(LAYERS))]  # dps: both modes
         linears = calls[0][1]
@@ -159,5 +160,38 @@ def test_warm_up_linears_runs_each_kind_of_linear_at_the_warm_rows_in_each_mode(
         runner.set_fast_layers(frozenset(range(LAYERS)))  # the real warm-up on the CPU, fp16 and Fp8Rows inputs
         real_warm_up(linears, [1, 3], runner.device)
         runner.set_fast_layers(frozenset())
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("policy, nested", [("dps", True), ("static-fp16", False)])
+def test_warm_up_by_rows_runs_one_moe_block_of_each_kind_at_its_token_counts_in_each_mode(monkeypatch, policy,
+                                                                                         nested):
+    from elastiserve.engine import row_warmup
+    from elastiserve.engine.nested_weights import NestedExperts
+
+    model = random_fp16_model(small_moe_config(LAYERS, 128))
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", policy=policy, block_size=4, max_num_seqs=4,
+                                    max_num_batched_tokens=16, kv_cache_budget=64 * 3 * 2 * 2 * 4 * 16 * 2),
+                       model=model, eos_token_ids=())
+    try:
+        runner = engine.runner
+        real_block_warm_up, calls = row_warmup.warm_up_moe_block, []
+
+        def record(block, counts, device):
+            calls.append((runner.fast_layers, block.w_gate_up.fast if nested else None, counts))
+            real_block_warm_up(block, counts, device)  # the real blocks on the CPU: router, grouped GEMMs, combine
+
+        monkeypatch.setattr(row_warmup, "warm_up_moe_block", record)
+        _, tokens = runner.warm_up_by_rows()
+        blocks = row_warmup.distinct_moe_blocks(runner.model)
+        assert len(blocks) == 1 < LAYERS  # every layer's block is one kind
+        assert isinstance(blocks[0].w_gate_up, NestedExperts) is nested
+        assert len(tokens) == 1 and tokens[0][0] == 1 and max(tokens[0]) == 16
+        modes = [frozenset(), frozenset(range(LAYERS))] if nested else [frozenset()]
+        assert [(fast, counts) for fast, _, counts in calls] == [(mode, tokens[0]) for mode in modes]
+        if nested:  # the block ran in its layer's mode: full, then fast
+            assert [fast for _, fast, _ in calls] == [False, True]
+        assert runner.fast_layers == frozenset()
     finally:
         engine.close()

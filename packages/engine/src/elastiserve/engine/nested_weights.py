@@ -19,7 +19,6 @@ from torch import nn
 from elastiserve.engine.models.moe import SparseMoeBlock, grouped_gemm_plain
 from elastiserve.kernels import formats
 from elastiserve.kernels.formats import Nesting
-from elastiserve.kernels.fp8_activations import Fp8Rows, platform_fnuz, quantize_per_token
 from elastiserve.kernels.nested_linear import NestedLinear, NestingReport, nest_model, set_mode, to_fp16_for_nesting
 from elastiserve.kernels.nested_moe import nested_moe_op
 from elastiserve.platforms import ConfigError
@@ -157,30 +156,3 @@ def layer_lower_planes(model: nn.Module) -> dict[int, list[Any]]:
         if mods:
             planes[index] = mods
     return planes
-
-
-def distinct_linears(model: nn.Module) -> list[nn.Linear | NestedLinear]:
-    """One linear of each kind the model launches GEMMs for: (class, out, in, nesting, bias). Plain ``nn.Linear``
-    (lm_head; every linear of an unnested model) and ``NestedLinear`` alike; MoE experts are not linears."""
-    kinds: dict[tuple, nn.Module] = {}
-    for module in model.modules():
-        if isinstance(module, NestedLinear | nn.Linear):
-            nesting = getattr(module, "nesting", None)
-            key = (type(module), module.out_features, module.in_features, nesting, module.bias is not None)
-            kinds.setdefault(key, module)
-    return list(kinds.values())
-
-
-@torch.inference_mode()
-def warm_up_linears(linears: list[nn.Module], rows: list[int], device: torch.device) -> None:
-    """Run each linear at each row count, in whatever mode its layer is in now, on fp16 rows and, where it would run
-    fp8 on them, on ``Fp8Rows`` as a quantizing norm or SiLU-and-mul hands them over: every GEMM variant those row
-    counts launch compiles here (``kernels.warm_rows`` picks the rows)."""
-    if not rows:
-        return
-    for linear in linears:
-        x = torch.zeros((max(rows), linear.in_features), dtype=torch.float16, device=device)
-        for m in rows:
-            linear(x[:m])
-            if getattr(linear, "takes_fp8_rows", None) is not None and linear.takes_fp8_rows(m):
-                linear(Fp8Rows(*quantize_per_token(x[:m], platform_fnuz())))

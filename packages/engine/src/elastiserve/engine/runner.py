@@ -270,8 +270,9 @@ class ModelRunner:
             self.run_warm_up_shapes(shapes)
             log.info("warm-up: %d step shapes compiled in %.1f s", len(shapes), time.perf_counter() - start)
             start = time.perf_counter()
-            rows = self.warm_up_linears()
-            log.info("warm-up: linears at %d row counts in %.1f s", len(rows), time.perf_counter() - start)
+            rows, tokens = self.warm_up_by_rows()
+            log.info("warm-up: linears at %d row counts, MoE blocks at %s token counts in %.1f s", len(rows),
+                     [len(counts) for counts in tokens], time.perf_counter() - start)
         start = time.perf_counter()
         self.capture_graphs()
         if self.graphs is not None:
@@ -282,23 +283,26 @@ class ModelRunner:
         group = self.model_config.num_attention_heads // self.model_config.num_key_value_heads
         return warm_up_shapes(self.config, self.model_config.num_hidden_layers, group, self.max_model_len)
 
-    def warm_up_linears(self) -> list[int]:
-        """Each kind of linear at every row count ``kernels.warm_rows`` finds a new GEMM variant at, up to the step's
-        token budget, in each mode the policy runs: the model-level shapes above warm the M buckets' tops only, and
-        the fp8 table's rows and the split-K change between them (session 25: 17 variants compiled inside the first
-        nested engine's ShareGPT loop on the H200, 21 s of a 63 s loop). Returns the row counts."""
-        from elastiserve.engine import nested_weights
-        from elastiserve.kernels.warm_rows import rows_to_warm
+    def warm_up_by_rows(self) -> tuple[list[int], list[list[int]]]:
+        """Each kind of linear and of MoE block alone, at every row (token) count where ``kernels.warm_rows`` finds a
+        new kernel variant, up to the step's token budget, in each mode the policy runs (``engine.row_warmup`` says
+        why). Returns the linears' row counts and each block kind's token counts."""
+        from elastiserve.engine import row_warmup
+        from elastiserve.kernels.warm_rows import grouped_launch_key, rows_to_warm
 
-        linears = nested_weights.distinct_linears(self.model)
         budget = min(self.config.max_num_batched_tokens, self.max_model_len)
-        rows = rows_to_warm([(linear.out_features, linear.in_features) for linear in linears], budget)
+        linears = row_warmup.distinct_linears(self.model)
+        rows = rows_to_warm(row_warmup.linear_shapes(linears), budget)
+        blocks = row_warmup.distinct_moe_blocks(self.model)
+        tokens = [rows_to_warm(row_warmup.expert_shapes(block), budget, key=grouped_launch_key) for block in blocks]
         before = self.fast_layers
         for fast_layers in mode_sets(self.config, self.model_config.num_hidden_layers):
             self.set_fast_layers(fast_layers)
-            nested_weights.warm_up_linears(linears, rows, self.device)
+            row_warmup.warm_up_linears(linears, rows, self.device)
+            for block, counts in zip(blocks, tokens, strict=True):
+                row_warmup.warm_up_moe_block(block, counts, self.device)
         self.set_fast_layers(before)
-        return rows
+        return rows, tokens
 
     @torch.inference_mode()
     def run_warm_up_shapes(self, shapes: list[WarmUpShape]) -> None:

@@ -17,9 +17,10 @@ and never in static-fp16, whose dense linears are cuBLAS: the nested GEMM (with 
 takes M. Likely cause; not profiled.
 
 The model-level shapes warm the M buckets' tops only; between them the fp8 table's rows (32, 128, 512) and the
-split-K (per row tile) choose other GEMM variants, so the runner also runs each kind of linear alone at every row
-count where ``kernels.warm_rows`` finds a new one (``ModelRunner.warm_up_linears``). Without it the first nested
-engine of a process compiled 17 variants inside its ShareGPT loop on the H200 (session 25, 21 s of a 63 s loop).
+split-K (per row tile) choose other GEMM variants, so the runner also runs each kind of linear, and of MoE block,
+alone at every row count where ``kernels.warm_rows`` finds a new one (``engine.row_warmup``). Without it the first
+nested engine of a process compiled 17 variants inside its ShareGPT loop on the H200 (session 25, 21 s of a 63 s
+loop).
 """
 
 from __future__ import annotations
