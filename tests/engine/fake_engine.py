@@ -30,8 +30,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        header = "".join(f"[{name}={value}]" for name, value in sorted(variables.items()))  # chat_template_kwargs
+        text = header + "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

@@ -32,10 +32,11 @@ def real_engine():
 
 
 class Served:
-    def __init__(self, engine, api_key=None):
+    def __init__(self, engine, api_key=None, reasoning_parser=None):
         self.engine = engine
         self.async_engine = AsyncEngine(engine).start()
-        self.app = build_app(self.async_engine, engine.tokenizer, model_name=MODEL, api_key=api_key)
+        self.app = build_app(self.async_engine, engine.tokenizer, model_name=MODEL, api_key=api_key,
+                             reasoning_parser=reasoning_parser)
         self.server = BackgroundServer(self.app).__enter__()
         self.url = self.server.base_url
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=120)

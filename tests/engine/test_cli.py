@@ -179,6 +179,25 @@ def test_bench_flags_make_a_plan(tmp_path):
     assert fixed.points() == [(None, 8), (None, 16)]
 
 
+def test_serve_wires_the_reasoning_parser_and_chat_template(tmp_path, monkeypatch, capsys):
+    from elastiserve.engine import server
+    from elastiserve.engine.loader import smollm2_dir
+    from elastiserve.engine.server_generation import STATE_KEY
+    from elastiserve.engine.tokenizer import Tokenizer
+
+    engine, apps = FakeEngine(), []
+    engine.tokenizer = Tokenizer.from_dir(smollm2_dir())
+    monkeypatch.setattr(cli, "make_engine", lambda model, policy, settings: engine)
+    monkeypatch.setattr(server, "run_forever", lambda app, host, port: apps.append(app))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert cli.main(["serve", "fake", "--reasoning-parser", "deepseek_r1", "--chat-template", str(template)]) == 0
+    assert apps[0][STATE_KEY].reasoning.name == "deepseek_r1"
+    assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    assert cli.main(["serve", "fake", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err and len(apps) == 1 and engine.closed
+
+
 def test_generate_writes_jsonl(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "make_engine", lambda model, policy, settings: FakeEngine())
     prompts = tmp_path / "in.jsonl"

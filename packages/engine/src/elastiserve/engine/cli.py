@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                       help="chat answers' <think> text goes to reasoning_content, the rest to content")
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template file (or the template itself) "
+                       "to use instead of the model's")
 
     gen = sub.add_parser("generate", help="offline batch generation from a JSONL file")
     add_engine_args(gen)
@@ -111,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--chat-template", default=None, help="as serve's, for the lines that hold messages")
 
     from elastiserve.engine.bench.cli_args import add_bench_args
 
@@ -130,14 +135,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from elastiserve.engine.server import build_app, run_forever
 
     engine = make_engine(args.model, args.policy, engine_settings(args))
+    use_chat_template(engine, args.chat_template)
     async_engine = AsyncEngine(engine).start()
     try:
         app = build_app(async_engine, engine.tokenizer, model_name=args.served_model_name or args.model,
-                        api_key=args.api_key)
+                        api_key=args.api_key, reasoning_parser=args.reasoning_parser)
         run_forever(app, args.host, args.port)
     finally:
         async_engine.shutdown()
     return 0
+
+
+def use_chat_template(engine: Any, value: str | None) -> None:
+    """``--chat-template``: replace the model's template (checked before serving: a bad one stops the start)."""
+    if value is None:
+        return
+    from elastiserve.engine.chat_render import load_chat_template
+
+    try:
+        if engine.tokenizer is None:
+            raise ConfigError("--chat-template needs a model with a tokenizer")
+        engine.tokenizer.set_chat_template(load_chat_template(value))
+    except ConfigError:
+        engine.close()  # the engine holds device memory and workers; the command stops here
+        raise
 
 
 def _line_prompt(engine: Any, record: dict[str, Any], lineno: int) -> list[int]:
@@ -162,6 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from elastiserve.engine.sampling import SamplingParams
 
     engine = make_engine(args.model, args.policy, engine_settings(args))
+    use_chat_template(engine, args.chat_template)
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "top_k": args.top_k}
     records = [json.loads(line) for line in args.input.read_text().splitlines() if line.strip()]

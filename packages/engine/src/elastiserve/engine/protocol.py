@@ -31,6 +31,39 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """vLLM's chat-template request options: extra template variables (``chat_template_kwargs``, such as Qwen3's
+    ``enable_thinking``), whether the assistant's turn is opened (``add_generation_prompt``), or instead the final
+    message left open for the model to continue (``continue_final_message``)."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+# Template variables the server sets itself; a request's chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+
+
+def _parse_template_options(body: dict, messages: list[dict[str, Any]]) -> TemplateOptions:
+    kwargs = _check_type(body, "chat_template_kwargs", (dict,), "an object") or {}
+    taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if taken:
+        raise BadRequest(f"'chat_template_kwargs' may not set {taken}: the server sets them (use the request's own "
+                         "fields)", param="chat_template_kwargs")
+    generation = _check_type(body, "add_generation_prompt", (bool,), "a boolean")
+    continues = bool(_check_type(body, "continue_final_message", (bool,), "a boolean"))
+    if continues and generation:
+        raise BadRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true: the model either "
+                         "continues the final message or starts a new one", param="continue_final_message")
+    if continues and not messages[-1]["content"].strip():
+        raise BadRequest("'continue_final_message' needs a final message with text to continue",
+                         param="continue_final_message")
+    return TemplateOptions(dict(kwargs), add_generation_prompt=not continues and generation is not False,
+                           continue_final_message=continues)
+
+
 @dataclass
 class ParsedRequest:
     """One completion or chat request reduced to what the engine and the response writer need."""
@@ -48,6 +81,7 @@ class ParsedRequest:
     best_of: int = 1  # candidates generated, each its own engine request; the n best are returned
     tools: Any = None  # chat: a structured.ToolSpec when tools are offered
     parallel_tool_calls: bool = True  # chat: False lets a "required" tool_choice make one call only
+    template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how the template renders
 
     @property
     def max_tokens(self) -> int:
@@ -307,7 +341,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     parallel = _check_type(body, "parallel_tool_calls", (bool,), "a boolean")
     return ParsedRequest("chat", model, messages=messages, stream=stream, include_usage=include_usage,
                          sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of,
-                         parallel_tool_calls=parallel is not False)
+                         parallel_tool_calls=parallel is not False, template=_parse_template_options(body, messages))
 
 
 def _optional_model(body: Any) -> str:
@@ -324,7 +358,8 @@ def parse_tokenize(body: Any) -> ParsedRequest:
     """vLLM's ``/tokenize``: a completions ``prompt`` (one string) or chat ``messages``; ``model`` optional."""
     model = _optional_model(body)
     if "messages" in body:
-        return ParsedRequest("chat", model, messages=_parse_messages(body))
+        messages = _parse_messages(body)
+        return ParsedRequest("chat", model, messages=messages, template=_parse_template_options(body, messages))
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise BadRequest("'prompt' (a string) or 'messages' is required", param="prompt", code="invalid_type")

@@ -26,8 +26,10 @@ from aiohttp import web
 
 from elastiserve.engine import responses, tool_calls
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
+from elastiserve.engine.chat_render import render_chat
 from elastiserve.engine.metrics_prom import ServerMetrics
 from elastiserve.engine.protocol import BadRequest, ParsedRequest, error_body
+from elastiserve.engine.reasoning import ReasoningFormat, ReasoningStream, attach_reasoning
 from elastiserve.engine.tokenizer import StopChecker, TextStream
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("elastiserve_state")
@@ -50,16 +52,14 @@ class ServerState:
     params_factory: Callable[..., Any] = default_params_factory
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     eos_ids: frozenset[int] = frozenset()
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser: chat answers' reasoning split from content
 
 
 def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[list[int]]:
     """The token ids of each prompt: chat's one rendered conversation, or completions' prompt(s)."""
     if req.kind == "chat":
         messages, extra = tool_calls.render_messages(req.messages, req.tools, state.tokenizer)
-        try:  # templates reject some conversations (roles out of order, ...) with a ValueError
-            rendered = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-        except ValueError as exc:
-            raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+        rendered = render_chat(state.tokenizer, messages, req.template, extra)
         return [list(rendered) if not isinstance(rendered, str) else list(state.tokenizer.encode(rendered))]
     prompts = []
     for prompt in req.prompts:
@@ -106,6 +106,8 @@ class RequestRun:
         self.text = TextStream(state.tokenizer, state.eos_ids)
         self.stops = StopChecker(req.stop)
         self.tool_stream = tool_calls.ToolCallStream(req.tools) if req.tools is not None and req.stream else None
+        chat_stream = req.kind == "chat" and req.stream
+        self.reasoning = ReasoningStream(state.reasoning) if chat_stream and state.reasoning is not None else None
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -171,6 +173,25 @@ class RequestRun:
         self.pending_logprobs = []
         return body
 
+    @property
+    def splits_output(self) -> bool:
+        """Whether the stream's text goes out as deltas of reasoning, content and tool calls, not plain text."""
+        return self.tool_stream is not None or self.reasoning is not None
+
+    def split(self, text: str) -> list[dict[str, Any]]:
+        """The chunk deltas of new ``text`` (all that is left once the request has finished): reasoning first split
+        from content, then content read for tool calls."""
+        final = self.finish_reason is not None
+        pieces = self.reasoning.feed(text) if self.reasoning is not None else [{"content": text}]
+        if final and self.reasoning is not None:
+            pieces += self.reasoning.finish()
+        if self.tool_stream is None:
+            return pieces
+        deltas = []
+        for piece in pieces:
+            deltas += self.tool_stream.feed(piece["content"]) if "content" in piece else [piece]
+        return deltas + (self.tool_stream.finish() if final else [])
+
     def record(self) -> None:
         m = self.state.metrics
         ttft = self.first_token_at - self.start if self.first_token_at else None
@@ -232,6 +253,8 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
         choices += [(echo + texts[group[i]], runs[group[i]].finish_reason, runs[group[i]].take_logprobs())
                     for i in best]
     body = responses.full_body(req, request_id, choices, prompt_tokens, sum(r.num_output_tokens for r in runs))
+    if req.kind == "chat" and state.reasoning is not None:
+        attach_reasoning(body, state.reasoning)
     if req.tools is not None:
         tool_calls.attach_calls(body, req.tools)
     return web.json_response(body)
@@ -307,8 +330,8 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
                 raise output
             run = runs[i]
             text = run.feed(output)
-            if run.tool_stream is not None:
-                await write_deltas(response, run, request_id, created, run.tool_stream.feed(text))
+            if run.splits_output:
+                await write_deltas(response, run, request_id, created, run.split(text))
             elif text:
                 await response.write(sse(responses.chunk_body(req, request_id, created, text, None,
                                                              logprobs=run.take_logprobs(), index=run.index)))
@@ -316,7 +339,6 @@ async def stream_response(request: web.Request, runs: list[RequestRun], request_
                 remaining -= 1
                 reason = run.finish_reason
                 if run.tool_stream is not None:
-                    await write_deltas(response, run, request_id, created, run.tool_stream.finish())
                     reason = tool_calls.finish_reason(run.tool_stream.calls, reason)
                 await response.write(sse(responses.chunk_body(req, request_id, created, None, reason,
                                                              logprobs=run.take_logprobs(), index=run.index)))

@@ -70,13 +70,25 @@ class Tokenizer:
             raise ChatTemplateError("this model has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **template_kwargs,
-        )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as exc:  # an undefined attribute, a bad call: what these messages made it do
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from exc
+
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` instead of the model's template (``--chat-template``); compiled now, so that a syntax
+        error stops the server at start-up with a ``ConfigError``."""
+        try:
+            self._template = _compile_template(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(f"the chat template does not compile: line {exc.lineno}: {exc.message}") from exc
+        self.chat_template = source
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)

@@ -97,7 +97,7 @@ def finish_reason(calls: list, reason: str | None) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _partial_tag(text: str, start: int, tag: str) -> int:
+def partial_tag(text: str, start: int, tag: str) -> int:
     """How many characters at the end of ``text[start:]`` may be the start of ``tag`` (held back until known)."""
     for keep in range(min(len(tag) - 1, len(text) - start), 0, -1):
         if tag.startswith(text[-keep:]):
@@ -164,7 +164,7 @@ class ToolCallStream:
             if self.block < 0:
                 start = text.find(OPEN, self.pos)
                 if start < 0:
-                    end = len(text) - (0 if final else _partial_tag(text, self.pos, OPEN))
+                    end = len(text) - (0 if final else partial_tag(text, self.pos, OPEN))
                     self._content(end)
                     return
                 self._content(start)
@@ -173,7 +173,7 @@ class ToolCallStream:
             close = text.find(CLOSE, self.fed)
             if close < 0:
                 # a tail that may start "</tool_call>" is not the call's text (at the end, most likely a cut tag)
-                self._read(len(text) - _partial_tag(text, self.fed, CLOSE))
+                self._read(len(text) - partial_tag(text, self.fed, CLOSE))
                 if final:
                     self._end_block(len(text))
                 return
@@ -224,6 +224,8 @@ class ToolCallStream:
 def attach_calls(body: dict[str, Any], spec: Any) -> None:
     """A whole chat response's choices with their calls parsed out of their text."""
     for choice in body["choices"]:
+        if choice["message"]["content"] is None:  # all reasoning (engine.reasoning): no answer to read calls from
+            continue
         content, calls = parse_tool_calls(choice["message"]["content"], spec)
         if calls:
             choice["message"].update(content=content, tool_calls=calls)
