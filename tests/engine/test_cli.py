@@ -191,11 +191,18 @@ def test_serve_wires_the_reasoning_parser_and_chat_template(tmp_path, monkeypatc
     monkeypatch.setattr(server, "run_forever", lambda app, host, port: apps.append(app))
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert cli.main(["serve", "fake", "--reasoning-parser", "deepseek_r1", "--chat-template", str(template)]) == 0
+    model = tmp_path / "model"  # a model folder whose generation config the server takes its defaults from
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20, "do_sample": True}))
+    assert cli.main(["serve", str(model), "--reasoning-parser", "deepseek_r1", "--chat-template", str(template)]) == 0
     assert apps[0][STATE_KEY].reasoning.name == "deepseek_r1"
+    assert apps[0][STATE_KEY].default_sampling == {"temperature": 0.6, "top_k": 20}
     assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
-    assert cli.main(["serve", "fake", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
-    assert "neither a file nor a Jinja template" in capsys.readouterr().err and len(apps) == 1 and engine.closed
+    assert cli.main(["serve", str(model), "--generation-config", "none"]) == 0
+    assert apps[-1][STATE_KEY].default_sampling == {}
+    assert cli.main(["serve", str(model), "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err and len(apps) == 2 and engine.closed
 
 
 def test_generate_writes_jsonl(tmp_path, monkeypatch):

@@ -18,6 +18,8 @@ from typing import Any
 
 from elastiserve.platforms import ConfigError
 
+log = logging.getLogger("elastiserve.cli")
+
 POLICIES = ("static-fp16", "static-fp8", "dps", "elastickv", "combined")
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
                        help="chat answers' <think> text goes to reasoning_content, the rest to content")
+    serve.add_argument("--generation-config", default="auto", help="default sampling values: 'auto' (the model's "
+                       "generation_config.json, as vLLM applies it), 'none' (OpenAI's), or a folder or file")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template file (or the template itself) "
                        "to use instead of the model's")
 
@@ -136,10 +140,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = make_engine(args.model, args.policy, engine_settings(args))
     use_chat_template(engine, args.chat_template)
+    defaults = serving_defaults(engine, args)
     async_engine = AsyncEngine(engine).start()
     try:
         app = build_app(async_engine, engine.tokenizer, model_name=args.served_model_name or args.model,
-                        api_key=args.api_key, reasoning_parser=args.reasoning_parser)
+                        api_key=args.api_key, reasoning_parser=args.reasoning_parser, default_sampling=defaults)
         run_forever(app, args.host, args.port)
     finally:
         async_engine.shutdown()
@@ -159,6 +164,22 @@ def use_chat_template(engine: Any, value: str | None) -> None:
     except ConfigError:
         engine.close()  # the engine holds device memory and workers; the command stops here
         raise
+
+
+def serving_defaults(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``--generation-config``'s sampling defaults, said aloud when the model's file changes OpenAI's."""
+    from elastiserve.engine.generation_defaults import generation_defaults
+    from elastiserve.engine.loader import resolve_model_dir
+
+    try:
+        defaults = generation_defaults(args.generation_config, resolve_model_dir(args.model, args.load_format))
+    except ConfigError:
+        engine.close()
+        raise
+    if defaults:
+        log.warning("default sampling values from %s's generation config (a request's own win; "
+                    "--generation-config none keeps OpenAI's): %s", args.model, defaults)
+    return defaults
 
 
 def _line_prompt(engine: Any, record: dict[str, Any], lineno: int) -> list[int]:

@@ -130,16 +130,19 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
               max_model_len: int | None = None, vocab_size: int | None = None,
               params_factory: Callable[..., Any] = default_params_factory,
-              reasoning_parser: str | None = None) -> web.Application:
+              reasoning_parser: str | None = None,
+              default_sampling: dict[str, Any] | None = None) -> web.Application:
     """The aiohttp application; the caller owns ``engine`` (start it before serving, shut it down after).
-    ``reasoning_parser``: ``qwen3`` or ``deepseek_r1`` splits chat answers' reasoning out (``engine.reasoning``)."""
+    ``reasoning_parser``: ``qwen3`` or ``deepseek_r1`` splits chat answers' reasoning out (``engine.reasoning``);
+    ``default_sampling``: sampling values a request's own override (``engine.generation_defaults``)."""
     if max_model_len is None or vocab_size is None:
         found_len, found_vocab = engine_limits(engine.engine, tokenizer)
         max_model_len, vocab_size = max_model_len or found_len, vocab_size or found_vocab
     app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
     app[STATE_KEY] = ServerState(engine, tokenizer, model_name, max_model_len, vocab_size, api_key,
                                  params_factory, eos_ids=eos_token_ids(tokenizer, engine.engine),
-                                 reasoning=reasoning_format(reasoning_parser))
+                                 reasoning=reasoning_format(reasoning_parser),
+                                 default_sampling=dict(default_sampling or {}))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

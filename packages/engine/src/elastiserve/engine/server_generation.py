@@ -53,6 +53,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     eos_ids: frozenset[int] = frozenset()
     reasoning: ReasoningFormat | None = None  # --reasoning-parser: chat answers' reasoning split from content
+    default_sampling: dict[str, Any] = field(default_factory=dict)  # generation_defaults: under each request's own
 
 
 def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[list[int]]:
@@ -80,15 +81,23 @@ def check_model(state: ServerState, model: str) -> None:
 
 
 def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
+    """The request's sampling parameters over the server's defaults (``generation_defaults``). A chat request that
+    sets no max_tokens may use the rest of the context, as in vLLM (the default's max_tokens capped there);
+    completions keep OpenAI's 16."""
     check_model(state, req.model)
     if prompt_len == 0:
         raise BadRequest("the prompt is empty", param="prompt")
-    if prompt_len + req.max_tokens > state.max_model_len:
+    sampling = {**state.default_sampling, **req.sampling}
+    if "max_tokens" not in req.sampling and req.kind == "chat":
+        sampling["max_tokens"] = min(sampling.get("max_tokens", state.max_model_len),
+                                     state.max_model_len - prompt_len)
+    max_tokens = sampling.setdefault("max_tokens", 16)
+    if prompt_len + max_tokens > state.max_model_len or (req.kind == "chat" and max_tokens < 1):  # no room left
         raise BadRequest(f"this model's maximum context length is {state.max_model_len} tokens; the request has "
-                         f"{prompt_len} prompt tokens and asks for {req.max_tokens} more", param="max_tokens",
+                         f"{prompt_len} prompt tokens and asks for {max(max_tokens, 1)} more", param="max_tokens",
                          code="context_length_exceeded")
     try:
-        params = state.params_factory(**req.sampling, stop=req.stop)
+        params = state.params_factory(**sampling, stop=req.stop)
         if hasattr(params, "validate"):
             params.validate(state.vocab_size, state.max_model_len, prompt_len)
     except (ValueError, TypeError) as exc:  # InvalidRequest is a ValueError
