@@ -11,6 +11,7 @@ from fake_engine import SCRIPT, FakeEngine
 from served_app import Served
 
 from elastiserve.engine.generation_defaults import generation_defaults, parse_generation_config
+from elastiserve.engine.server_generation import STATE_KEY
 from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu]
@@ -57,7 +58,7 @@ def test_a_named_file_must_exist(tmp_path):
         generation_defaults("auto", tmp_path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def defaults_served():
     engine = FakeEngine(num_blocks=256, step_delay_s=0.002)
     served = Served(engine)
@@ -66,14 +67,12 @@ def defaults_served():
 
 
 def served_with(served, defaults):
-    from elastiserve.engine.server_generation import STATE_KEY
-
     served.app[STATE_KEY].default_sampling = defaults
-    return served.client
+    return served
 
 
 def test_defaults_fill_what_a_request_leaves_out(defaults_served):
-    client = served_with(defaults_served, {"max_tokens": 5, "temperature": 0.0})
+    client = served_with(defaults_served, {"max_tokens": 5, "temperature": 0.0}).client
     messages = [{"role": "user", "content": "Hi"}]
     chat = client.chat.completions.create(model="test-model", messages=messages)
     assert chat.choices[0].message.content == SCRIPT[:5] and chat.choices[0].finish_reason == "length"
@@ -84,14 +83,31 @@ def test_defaults_fill_what_a_request_leaves_out(defaults_served):
 
 
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context(defaults_served):
-    client = served_with(defaults_served, {})
+    client = served_with(defaults_served, {}).client
     messages = [{"role": "user", "content": "Hi"}]
     chat = client.chat.completions.create(model="test-model", messages=messages)
     assert chat.choices[0].message.content == SCRIPT and chat.choices[0].finish_reason == "stop"  # not cut at 16
     assert client.completions.create(model="test-model", prompt="Hi").choices[0].text == SCRIPT[:16]  # OpenAI's 16
-    client = served_with(defaults_served, {"max_tokens": 10_000})  # a default over the context is capped
+    served_with(defaults_served, {"max_tokens": 10_000})  # a default over the context is capped
     chat = client.chat.completions.create(model="test-model", messages=messages)
     assert chat.choices[0].message.content == SCRIPT
+    served_with(defaults_served, {}).app[STATE_KEY].max_sequence_tokens = 40  # a KV pool shorter than the context
+    chat = client.chat.completions.create(model="test-model", messages=messages)  # its prompt is 20 bytes
+    assert chat.choices[0].message.content == SCRIPT[:20] and chat.choices[0].finish_reason == "length"
     long = [{"role": "user", "content": "x" * 600}]  # the fake's context is 512 tokens (bytes)
     with pytest.raises(Exception, match="maximum context length is 512"):
         client.chat.completions.create(model="test-model", messages=long)
+
+
+def test_an_engine_caps_a_requests_tokens_at_its_kv_pool():
+    from tiny_models import random_fp16_model, small_llama_config
+
+    from elastiserve.engine.config import EngineConfig
+    from elastiserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", block_size=4, cpu_kv_blocks=8, max_model_len=4096),
+                       model=random_fp16_model(small_llama_config(2, 4096)), eos_token_ids=())
+    try:
+        assert engine.max_sequence_tokens == engine.kv.pool.num_blocks * 4 < engine.max_model_len == 4096
+    finally:
+        engine.close()

@@ -162,6 +162,11 @@ class LLMEngine:
         return self.runner.max_model_len
 
     @property
+    def max_sequence_tokens(self) -> int:
+        """The longest prompt + output one request may ask for: the context, or the whole KV pool if smaller."""
+        return min(self.max_model_len, self.kv.pool.num_blocks * self.kv.block_size)
+
+    @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 

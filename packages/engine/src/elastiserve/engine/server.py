@@ -142,7 +142,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str, api_key: 
     app[STATE_KEY] = ServerState(engine, tokenizer, model_name, max_model_len, vocab_size, api_key,
                                  params_factory, eos_ids=eos_token_ids(tokenizer, engine.engine),
                                  reasoning=reasoning_format(reasoning_parser),
-                                 default_sampling=dict(default_sampling or {}))
+                                 default_sampling=dict(default_sampling or {}),
+                                 max_sequence_tokens=getattr(engine.engine, "max_sequence_tokens", None))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -54,6 +54,7 @@ class ServerState:
     eos_ids: frozenset[int] = frozenset()
     reasoning: ReasoningFormat | None = None  # --reasoning-parser: chat answers' reasoning split from content
     default_sampling: dict[str, Any] = field(default_factory=dict)  # generation_defaults: under each request's own
+    max_sequence_tokens: int | None = None  # prompt + output one request may hold (the engine's KV pool), if known
 
 
 def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[list[int]]:
@@ -89,8 +90,8 @@ def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
         raise BadRequest("the prompt is empty", param="prompt")
     sampling = {**state.default_sampling, **req.sampling}
     if "max_tokens" not in req.sampling and req.kind == "chat":
-        sampling["max_tokens"] = min(sampling.get("max_tokens", state.max_model_len),
-                                     state.max_model_len - prompt_len)
+        room = min(state.max_model_len, state.max_sequence_tokens or state.max_model_len) - prompt_len
+        sampling["max_tokens"] = min(sampling.get("max_tokens", room), room)
     max_tokens = sampling.setdefault("max_tokens", 16)
     if prompt_len + max_tokens > state.max_model_len or (req.kind == "chat" and max_tokens < 1):  # no room left
         raise BadRequest(f"this model's maximum context length is {state.max_model_len} tokens; the request has "
