@@ -77,7 +77,8 @@ class FakeEngine:
     def close(self) -> None:
         self.closed = True
 
-    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None, prefix_leader=None) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None, prefix_leader=None,
+                    priority=0) -> None:
         params.validate(VOCAB, self.max_model_len, len(prompt_token_ids))
         if any(r.request_id == request_id for r in self.waiting + self.running):
             raise ValueError(f"duplicate request id {request_id}")

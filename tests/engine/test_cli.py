@@ -77,6 +77,8 @@ def test_serve_flags_reach_engine_settings():
             "--queue-fast-after",
             "0.5",
             "--no-gc-shadow",
+            "--scheduling-policy",
+            "priority",
             "--device",
             "cpu",
         ]
@@ -110,6 +112,7 @@ def test_serve_flags_reach_engine_settings():
         "gc_in_step_shadow": False,
         "seed": 0,
         "cpu_kv_blocks": 512,
+        "scheduling_policy": "priority",
     }
     from elastiserve.engine.config import EngineConfig
 

@@ -120,12 +120,12 @@ class AsyncEngine:
         await self.call(lambda: self._abort_quietly(request_id))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                       prefix_leader: str | None = None) -> AsyncIterator[Any]:
+                       prefix_leader: str | None = None, priority: int = 0) -> AsyncIterator[Any]:
         """Yield the request's `RequestOutput`s until one is finished.
 
         Leaving the iteration early (break, cancellation on client disconnect, an error while writing) aborts the
         request on the engine, which frees its blocks. ``add_request`` errors (e.g. `InvalidRequest`) propagate.
-        ``prefix_leader`` (``LLMEngine.add_request``) is passed on only when given.
+        ``prefix_leader`` and ``priority`` (``LLMEngine.add_request``) are passed on only when given.
         """
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -135,6 +135,8 @@ class AsyncEngine:
         finished = False
         try:
             extra = {} if prefix_leader is None else {"prefix_leader": prefix_leader}
+            if priority:
+                extra["priority"] = priority
             await self.call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, **extra))
             while True:
                 item = await queue.get()

@@ -72,6 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
                    help="leave garbage collection automatic (by default, on a GPU, its passes run while the device "
                         "computes a step)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: requests' 'priority' (lower first) orders the queue and picks preemption victims")
     p.add_argument("--cpu-kv-blocks", type=int, default=512, help="KV pool size in blocks on the CPU")
 
 
@@ -79,7 +81,7 @@ ENGINE_FIELDS = ("device", "block_size", "gpu_memory_utilization", "gpu_memory_b
                  "host_backing_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "tensor_parallel_size", "load_format", "enforce_eager", "graph_capture_after", "mixed_graphs",
                  "max_step_time_s", "queue_fast_after_s", "enable_prefix_caching", "gc_in_step_shadow", "seed",
-                 "cpu_kv_blocks")
+                 "cpu_kv_blocks", "scheduling_policy")
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

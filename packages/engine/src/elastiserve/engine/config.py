@@ -49,6 +49,9 @@ class EngineConfig:
     # wherever an allocation trips them (gc_watch.py); False: CPython's automatic collection.
     gc_in_step_shadow: bool = True
     seed: int = 0
+    # "priority": requests carry a priority (lower first) that orders the queue and picks preemption victims
+    # (scheduler.py); "fcfs": arrival order, and a request with a priority other than 0 is refused
+    scheduling_policy: str = "fcfs"
     host_backing_bytes: int | None = None  # host memory for demoted pairs' low bytes; None: as large as the KV pool
     sink_pairs: int = 1  # leading pairs of each sequence never demoted (attention sinks)
     recent_pairs: int = 2  # trailing complete pairs never demoted (recent tokens)
@@ -59,6 +62,7 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         if not self.model:
             raise ConfigError("model must name a model directory or a known model name")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -24,6 +24,7 @@ from elastiserve.engine.gc_watch import GcWatch, freeze_start_up
 from elastiserve.engine.guided.masks import Guide, MaskCache, TokenTable
 from elastiserve.engine.guided.vocab import vocabulary_bytes
 from elastiserve.engine.kv_manager import KVManager
+from elastiserve.engine.loader import resolve_device
 from elastiserve.engine.observe import engine_stats, observe_step
 from elastiserve.engine.outputs import CompletionResult, RequestOutput, TokenLogprob
 from elastiserve.engine.prefix_cache import PrefixCache
@@ -54,7 +55,7 @@ class LLMEngine:
         (any object with ``decide_pressure(obs)`` and ``decide_recovery(obs)`` returning a ``Decision``, and with
         ``config.queue_fast_after_s`` set, ``run_all_fast(now, oldest_queued_s)``)."""
         self.config = config
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         self.tp_group = None
         if config.tensor_parallel_size > 1:
             if model is not None:
@@ -94,9 +95,9 @@ class LLMEngine:
             recent_pairs=config.recent_pairs,
             prefix_cache=PrefixCache() if config.enable_prefix_caching else None,
         )
-        self.scheduler = Scheduler(
-            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
-        )
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   policy=config.scheduling_policy)
         self.step_budget = None if config.max_step_time_s is None else StepBudget(
             StepBudgetConfig(config.max_step_time_s, config.max_num_batched_tokens))
         self.policy = policy if policy is not None else make_policy(config)
@@ -173,14 +174,17 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
-        prefix_leader: str | None = None,
+        prefix_leader: str | None = None, priority: int = 0,
     ) -> None:
         """``prefix_leader``: a request already added with the same prompt (the first of ``n`` choices). With prefix
         caching this one is admitted once the leader's prefill is done, and its prompt's complete pairs come from
         the cache instead of being computed again; without prefix caching, when it scores its prompt (which
-        computes every row), or when no such request is queued or running, it is ignored."""
+        computes every row), or when no such request is queued or running, it is ignored. ``priority``: lower is
+        served first, under ``scheduling_policy="priority"`` only."""
         if request_id in self._seq_index:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if priority != 0 and not self.scheduler.by_priority:
+            raise InvalidRequest(f"priority {priority} needs the priority scheduling policy (this engine is FCFS)")
         params.validate(self.vocab_size, self.max_model_len, len(prompt_token_ids))
         needed = self.kv.blocks_for(len(prompt_token_ids) + params.max_tokens)
         if needed > self.kv.pool.num_blocks:
@@ -191,7 +195,7 @@ class LLMEngine:
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:4]} are outside the vocabulary")
         metrics = SequenceMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, metrics)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, metrics, priority=priority)
         if params.min_tokens:
             eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
             seq.banned_before_min = tuple(dict.fromkeys(params.stop_token_ids + eos))
@@ -403,10 +407,3 @@ class LLMEngine:
         stats = engine_stats(self.step_count, self.kv, self.scheduler, self.runner, self.events)
         return stats | self.gc_watch.stats() | self.last_step
 
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        from elastiserve.platforms import current_platform
-
-        return torch.device(current_platform().device_type)
-    return torch.device(name)

@@ -82,6 +82,7 @@ class ParsedRequest:
     tools: Any = None  # chat: a structured.ToolSpec when tools are offered
     parallel_tool_calls: bool = True  # chat: False lets a "required" tool_choice make one call only
     template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how the template renders
+    priority: int = 0  # vLLM's: lower is served first, where the engine schedules by priority
 
     @property
     def max_tokens(self) -> int:
@@ -234,7 +235,8 @@ def parse_completion(body: Any) -> ParsedRequest:
     if sampling.get("max_tokens") == 0 and "prompt_logprobs" not in sampling:
         raise BadRequest("'max_tokens' 0 only scores the prompt: it needs 'echo' with 'logprobs'", param="max_tokens")
     return ParsedRequest("completion", model, prompts=prompts, stream=stream, include_usage=include_usage,
-                         echo=echo, sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of)
+                         echo=echo, sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of,
+                         priority=_integer(body, "priority") or 0)
 
 
 MAX_PROMPTS = 256  # prompts in one completions request (a batch: each its own choices, as vLLM serves them)
@@ -341,7 +343,8 @@ def parse_chat(body: Any) -> ParsedRequest:
     parallel = _check_type(body, "parallel_tool_calls", (bool,), "a boolean")
     return ParsedRequest("chat", model, messages=messages, stream=stream, include_usage=include_usage,
                          sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of,
-                         parallel_tool_calls=parallel is not False, template=_parse_template_options(body, messages))
+                         parallel_tool_calls=parallel is not False, template=_parse_template_options(body, messages),
+                         priority=_integer(body, "priority") or 0)
 
 
 def _optional_model(body: Any) -> str:

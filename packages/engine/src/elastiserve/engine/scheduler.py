@@ -3,10 +3,16 @@
 Preemption (by recompute) is the last resort when the pool cannot give a running sequence its next block: the
 latest-arrived running sequence is the victim, its KV is freed and it goes back to the front of the waiting queue.
 ``dry_run`` computes the next step's block demand without touching any state, so control can act before the step.
+
+Priority scheduling (``policy="priority"``, vLLM's and SGLang's ``--scheduling-policy priority``): the queue is kept in
+(priority, arrival) order, lowest first; the victim is the running sequence last in that order; and a queued
+request that does not fit preempts running ones of a strictly lower priority (a higher number) until it does.
+Equal priorities never preempt each other for admission, so the policy is FCFS among them.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -65,9 +71,16 @@ class StepDemand:
         return max(0, self.blocks_needed - self.free_blocks)
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
-    def __init__(self, kv: KVManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise EngineError(f"scheduling policy {policy!r}: expected one of {SCHEDULING_POLICIES}")
         self.kv = kv
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # The next step's token budget when the engine caps it below max_num_batched_tokens (step_budget.py);
@@ -80,7 +93,22 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """FCFS: at the back (new) or the front (preempted). Priority: at its place in (priority, arrival) order,
+        which puts a preempted request, older than those queued behind it at its priority, ahead of them."""
+        if not self.by_priority:
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        keys = [s.priority_key for s in self.waiting]  # a deque has no bisect; queues are thousands at most
+        self.waiting.insert(bisect.bisect_right(keys, seq.priority_key), seq)
+
+    def victim(self) -> Sequence:
+        """The running sequence preemption takes first: the latest arrived (priority: the last in service order)."""
+        if self.by_priority:
+            return max(self.running, key=lambda s: s.priority_key)
+        return max(self.running, key=lambda s: s.arrival_time)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -193,7 +221,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         while not self.kv.allocate(seq, n):
-            victim = max(self.running, key=lambda s: s.arrival_time)
+            victim = self.victim()
             self.preempt(victim, batch)
             if victim is seq:
                 return False
@@ -211,15 +239,20 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free_sequence(victim)
         victim.reset_for_recompute()
-        self.waiting.appendleft(victim)
+        self._enqueue(victim, front=True)
         self.num_preemptions += 1
         if batch is not None:
             batch.preempted.append(victim)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         tally = self.admission.tally(self.running) if self.admission is not None and self.waiting else None
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                if self._preempt_below(seq, batch):  # priority: a slot from a lower-priority request
+                    budget = self.token_budget - batch.num_tokens
+                    continue
+                break
             if self.held_for_leader(seq) or (tally is not None and not self.admission.admit(tally, seq)):
                 break
             matched = self.kv.match_prefix(seq)  # cached pairs from the prompt's start are not computed again
@@ -231,6 +264,9 @@ class Scheduler:
             # 2,725 times at concurrency 64 on the 20 GB pool, where the simulator, which waits, preempted 51).
             if n == 0 or not self.kv.allocate(seq, n):
                 self.kv.unmatch(seq)
+                if self._preempt_below(seq, batch):  # priority: blocks from a lower-priority request, then retry
+                    budget = self.token_budget - batch.num_tokens
+                    continue
                 if not self.running:
                     raise EngineError(
                         f"request {seq.request_id} cannot get a single KV block with nothing running "
@@ -245,3 +281,14 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def _preempt_below(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Priority scheduling: preempt the last running sequence in service order if its priority is strictly
+        lower than queued ``seq``'s (a higher number); whether one was."""
+        if not self.by_priority or not self.running:
+            return False
+        victim = self.victim()
+        if victim.priority <= seq.priority:
+            return False
+        self.preempt(victim, batch)
+        return True

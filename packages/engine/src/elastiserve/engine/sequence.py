@@ -58,6 +58,7 @@ class Sequence:
     # the tokens the sampler may not pick while fewer than params.min_tokens are generated (EOS and stop tokens)
     banned_before_min: tuple[int, ...] = ()
     guide: Any = None  # a guided.Guide when params.guide is set: its state follows the generated tokens
+    priority: int = 0  # priority scheduling: lower runs first (vLLM's convention); ties by arrival
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_table, BlockTable):  # a plain list given: track it like the default
@@ -78,6 +79,11 @@ class Sequence:
     @property
     def arrival_time(self) -> float:
         return self.metrics.arrival_time
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """Order of service under priority scheduling: the lowest first."""
+        return self.priority, self.metrics.arrival_time
 
     @property
     def is_finished(self) -> bool:

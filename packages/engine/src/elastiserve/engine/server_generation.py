@@ -245,7 +245,7 @@ async def handle_generation(request: web.Request, req: ParsedRequest) -> web.Str
     prompt_tokens = sum(len(ids) for ids in prompts)
     async with contextlib.AsyncExitStack() as stack:
         outputs = [await stack.enter_async_context(contextlib.aclosing(state.engine.generate(
-            name, ids, choice, prefix_leader=leader))) for name, ids, choice, leader in starts]
+            name, ids, choice, prefix_leader=leader, priority=req.priority))) for name, ids, choice, leader in starts]
         try:  # add_request errors surface here, before any byte is sent; all choices start together
             firsts = await gather_or_cancel(anext(out) for out in outputs)
         except (ValueError, TypeError) as exc:

@@ -105,11 +105,10 @@ class Transitions:
             self.events.add(time.monotonic(), step, "evict_residual", len(chosen), reason)
 
     def _preempt_blocks(self, num_blocks: int, step: int, reason: str) -> None:
-        """Preempt latest-arrived running requests until ``num_blocks`` more blocks are free."""
+        """Preempt running requests, the scheduler's victims first, until ``num_blocks`` more blocks are free."""
         target = self.kv.num_free_blocks() + num_blocks
         while self.scheduler.running and self.kv.num_free_blocks() < target:
-            victim = max(self.scheduler.running, key=lambda s: s.arrival_time)
-            self.scheduler.preempt(victim)
+            self.scheduler.preempt(self.scheduler.victim())
             self.events.add(time.monotonic(), step, "preempt", 1, reason)
 
     def update_queue_fast(self) -> None:
