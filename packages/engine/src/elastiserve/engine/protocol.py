@@ -74,9 +74,12 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None = None  # chat
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
     echo: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # keyword arguments for SamplingParams
     stop: tuple[str, ...] = ()
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop string that ended it is kept
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the output
     n: int = 1  # choices returned
     best_of: int = 1  # candidates generated, each its own engine request; the n best are returned
     tools: Any = None  # chat: a structured.ToolSpec when tools are offered
@@ -198,14 +201,25 @@ def _parse_choices(body: dict, stream: bool, sampling: dict[str, Any]) -> tuple[
     return n, best_of
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
+def _stream_flags(body: dict) -> dict[str, bool]:
     stream = bool(_check_type(body, "stream", (bool,), "a boolean"))
     options = _check_type(body, "stream_options", (dict,), "an object") or {}
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise BadRequest("'stream_options.include_usage' must be a boolean", param="stream_options",
-                         code="invalid_type")
-    return stream, include_usage
+    flags = {"stream": stream}
+    for name, field_name in (("include_usage", "include_usage"), ("continuous_usage_stats", "continuous_usage")):
+        value = options.get(name, False)
+        if not isinstance(value, bool):
+            raise BadRequest(f"'stream_options.{name}' must be a boolean", param="stream_options",
+                             code="invalid_type")
+        flags[field_name] = value
+    return flags
+
+
+def _extras(body: dict) -> dict[str, Any]:
+    """vLLM's request extras: the output-text booleans and the scheduling priority, as ParsedRequest fields."""
+    include = _check_type(body, "include_stop_str_in_output", (bool,), "a boolean")
+    skip = _check_type(body, "skip_special_tokens", (bool,), "a boolean")
+    return {"include_stop_str": bool(include), "skip_special_tokens": skip is not False,
+            "priority": _integer(body, "priority") or 0}
 
 
 def _require_model(body: dict) -> str:
@@ -220,12 +234,12 @@ def parse_completion(body: Any) -> ParsedRequest:
         raise BadRequest("the request body must be a JSON object")
     model = _require_model(body)
     prompts = _parse_prompts(body.get("prompt"))
-    stream, include_usage = _stream_flags(body)
+    flags = _stream_flags(body)
     echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
     if _check_type(body, "suffix", (str,), "a string"):  # refused, not dropped: the text after it would be wrong
         raise BadRequest("'suffix' (fill-in-the-middle) is not supported", param="suffix", code="unsupported")
     sampling = _parse_sampling(body, ("max_tokens",))
-    n, best_of = _parse_choices(body, stream, sampling)
+    n, best_of = _parse_choices(body, flags["stream"], sampling)
     if len(prompts) * best_of > MAX_CANDIDATES:
         raise BadRequest(f"{len(prompts)} prompts x best_of {best_of} is over {MAX_CANDIDATES} sequences a request",
                          param="prompt")
@@ -234,9 +248,8 @@ def parse_completion(body: Any) -> ParsedRequest:
         sampling["prompt_logprobs"] = sampling["logprobs"]
     if sampling.get("max_tokens") == 0 and "prompt_logprobs" not in sampling:
         raise BadRequest("'max_tokens' 0 only scores the prompt: it needs 'echo' with 'logprobs'", param="max_tokens")
-    return ParsedRequest("completion", model, prompts=prompts, stream=stream, include_usage=include_usage,
-                         echo=echo, sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of,
-                         priority=_integer(body, "priority") or 0)
+    return ParsedRequest("completion", model, prompts=prompts, echo=echo, sampling=sampling, stop=_parse_stop(body),
+                         n=n, best_of=best_of, **flags, **_extras(body))
 
 
 MAX_PROMPTS = 256  # prompts in one completions request (a batch: each its own choices, as vLLM serves them)
@@ -329,9 +342,9 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise BadRequest("the request body must be a JSON object")
     model = _require_model(body)
     messages = _parse_messages(body)
-    stream, include_usage = _stream_flags(body)
+    flags = _stream_flags(body)
     sampling = _parse_sampling(body, ("max_completion_tokens", "max_tokens"))
-    n, best_of = _parse_choices(body, stream, sampling)
+    n, best_of = _parse_choices(body, flags["stream"], sampling)
     if sampling.get("max_tokens") == 0:
         raise BadRequest("'max_tokens' must be at least 1, got 0", param="max_tokens")
     wants = _check_type(body, "logprobs", (bool,), "a boolean")
@@ -341,10 +354,9 @@ def parse_chat(body: Any) -> ParsedRequest:
     if wants:
         _set_logprobs(sampling, top or 0, "top_logprobs")
     parallel = _check_type(body, "parallel_tool_calls", (bool,), "a boolean")
-    return ParsedRequest("chat", model, messages=messages, stream=stream, include_usage=include_usage,
-                         sampling=sampling, stop=_parse_stop(body), n=n, best_of=best_of,
-                         parallel_tool_calls=parallel is not False, template=_parse_template_options(body, messages),
-                         priority=_integer(body, "priority") or 0)
+    return ParsedRequest("chat", model, messages=messages, sampling=sampling, stop=_parse_stop(body), n=n,
+                         best_of=best_of, parallel_tool_calls=parallel is not False,
+                         template=_parse_template_options(body, messages), **flags, **_extras(body))
 
 
 def _optional_model(body: Any) -> str:

@@ -7,8 +7,8 @@ the first's prefill and take the prompt's pairs from the cache (``LLMEngine.add_
 (``logprobs`` 0 when the client asked for none), and answers with the ``n`` of the highest mean log-probability per
 token; usage counts every candidate's tokens, as OpenAI bills them. A batch of completions prompts runs each prompt's
 candidates the same way, all at once; prompt ``p``'s choices take indices ``p * n`` on, and usage counts every
-prompt's tokens once. A chat stream with tools sends each call as it is generated (``tool_calls.ToolCallStream``):
-its start, then its arguments in fragments, each delta a chunk of its own.
+prompt's tokens once. Each choice's text is read as it arrives by a ``request_run.RequestRun``; streams are written
+by ``server_stream``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +23,13 @@ from typing import Any
 from aiohttp import web
 
 from elastiserve.engine import responses, tool_calls
-from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
+from elastiserve.engine.async_engine import AsyncEngine
 from elastiserve.engine.chat_render import render_chat
 from elastiserve.engine.metrics_prom import ServerMetrics
-from elastiserve.engine.protocol import BadRequest, ParsedRequest, error_body
-from elastiserve.engine.reasoning import ReasoningFormat, ReasoningStream, attach_reasoning
-from elastiserve.engine.tokenizer import StopChecker, TextStream
+from elastiserve.engine.protocol import BadRequest, ParsedRequest
+from elastiserve.engine.reasoning import ReasoningFormat, attach_reasoning
+from elastiserve.engine.request_run import RequestRun, prompt_text
+from elastiserve.engine.server_stream import stream_response
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("elastiserve_state")
 
@@ -104,126 +103,6 @@ def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
     except (ValueError, TypeError) as exc:  # InvalidRequest is a ValueError
         raise BadRequest(str(exc)) from exc
     return params
-
-
-class RequestRun:
-    """Timing, text and stop handling of one request as its outputs arrive."""
-
-    def __init__(self, state: ServerState, req: ParsedRequest, prompt_len: int, index: int = 0,
-                 prompt_index: int = 0) -> None:
-        self.state, self.req, self.prompt_len, self.index = state, req, prompt_len, index
-        self.prompt_index = prompt_index  # which prompt of a batch this run continues
-        self.text = TextStream(state.tokenizer, state.eos_ids)
-        self.stops = StopChecker(req.stop)
-        self.tool_stream = tool_calls.ToolCallStream(req.tools) if req.tools is not None and req.stream else None
-        chat_stream = req.kind == "chat" and req.stream
-        self.reasoning = ReasoningStream(state.reasoning) if chat_stream and state.reasoning is not None else None
-        self.start = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.num_output_tokens = 0
-        self.finish_reason: str | None = None
-        self.queue_s: float | None = None
-        self.pending_logprobs: list[Any] = []  # TokenLogprobs not yet sent
-        self.prompt_logprobs_taken = False  # an echoed stream sends the prompt's with the echo chunk
-        self.text_offset = 0  # completions' logprobs: where the next token's text starts in the choice's text
-        self.sum_logprob = 0.0  # of the tokens fed, under the raw distribution (best_of's ranking)
-        self.scored_tokens = 0
-
-    def feed(self, output: Any) -> str:
-        """New text that is safe to send; sets ``finish_reason`` when the request ends (engine or stop string)."""
-        now = time.perf_counter()
-        new_ids = list(output.new_token_ids)
-        self.take_prompt(output)
-        new_logprobs = getattr(output, "logprobs", None) or []
-        self.pending_logprobs += new_logprobs
-        for entry in new_logprobs:
-            if entry.logprob is not None:
-                self.sum_logprob += entry.logprob
-                self.scored_tokens += 1
-        if new_ids:
-            self.first_token_at = self.first_token_at or now
-            self.last_token_at = now
-            self.num_output_tokens += len(new_ids)
-        if self.queue_s is None:
-            self.queue_s = queue_time(getattr(output, "metrics", None))
-        delta = self.text.add(new_ids, final=bool(output.finished))
-        if self.num_output_tokens < self.req.sampling.get("min_tokens", 0) and not output.finished:
-            return delta  # vLLM's min_tokens: no stop string counts before it (the engine ignores them too)
-        text, stopped = self.stops.feed(delta, final=bool(output.finished))
-        if stopped:
-            self.finish_reason = "stop"
-        elif output.finished:
-            self.finish_reason = output.finish_reason or "stop"
-            if self.finish_reason == "abort":
-                self.finish_reason = "stop"
-        return text
-
-    @property
-    def mean_logprob(self) -> float:
-        """Log-probability per scored token: OpenAI's "best" of ``best_of`` (an empty candidate ranks last)."""
-        return self.sum_logprob / self.scored_tokens if self.scored_tokens else float("-inf")
-
-    def take_prompt(self, output: Any) -> None:
-        """Queue the prompt's logprobs (echo with logprobs) ahead of the generated tokens', once."""
-        prompt = getattr(output, "prompt_logprobs", None)
-        if prompt and not self.prompt_logprobs_taken:
-            self.pending_logprobs += prompt
-            self.prompt_logprobs_taken = True
-
-    def take_logprobs(self) -> dict | None:
-        """The logprobs object of the tokens fed since the last call (None if there are none or none were asked)."""
-        if not self.pending_logprobs:
-            return None
-        decode = self.state.tokenizer.decode
-        body = responses.logprobs_body(self.req, self.pending_logprobs, lambda token_id: decode([token_id]),
-                                      self.text_offset)
-        if body is not None and "tokens" in body:
-            self.text_offset += sum(len(t) for t in body["tokens"])
-        self.pending_logprobs = []
-        return body
-
-    @property
-    def splits_output(self) -> bool:
-        """Whether the stream's text goes out as deltas of reasoning, content and tool calls, not plain text."""
-        return self.tool_stream is not None or self.reasoning is not None
-
-    def split(self, text: str) -> list[dict[str, Any]]:
-        """The chunk deltas of new ``text`` (all that is left once the request has finished): reasoning first split
-        from content, then content read for tool calls."""
-        final = self.finish_reason is not None
-        pieces = self.reasoning.feed(text) if self.reasoning is not None else [{"content": text}]
-        if final and self.reasoning is not None:
-            pieces += self.reasoning.finish()
-        if self.tool_stream is None:
-            return pieces
-        deltas = []
-        for piece in pieces:
-            deltas += self.tool_stream.feed(piece["content"]) if "content" in piece else [piece]
-        return deltas + (self.tool_stream.finish() if final else [])
-
-    def record(self) -> None:
-        m = self.state.metrics
-        ttft = self.first_token_at - self.start if self.first_token_at else None
-        tpot = None
-        if self.num_output_tokens > 1 and self.first_token_at and self.last_token_at:
-            tpot = (self.last_token_at - self.first_token_at) / (self.num_output_tokens - 1)
-        m.observe_request(ttft_s=ttft, tpot_s=tpot, queue_s=self.queue_s, e2e_s=time.perf_counter() - self.start,
-                          prompt_tokens=self.prompt_len, output_tokens=self.num_output_tokens)
-
-
-def queue_time(metrics: Any) -> float | None:
-    """Seconds from arrival to first scheduling, from a ``SequenceMetrics`` (None until it was scheduled)."""
-    if metrics is None:
-        return None
-    arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
-    if arrival is None or scheduled is None:
-        return None
-    return float(scheduled) - float(arrival)
-
-
-def sse(payload: Any) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
 async def handle_generation(request: web.Request, req: ParsedRequest) -> web.StreamResponse:
@@ -308,91 +187,3 @@ async def collect(run: RequestRun, output: Any, outputs: Any) -> str:
         if run.finish_reason is not None:
             return "".join(pieces)
         output = await anext(outputs)
-
-
-def prompt_text(state: ServerState, req: ParsedRequest, index: int = 0) -> str:
-    prompt = req.prompts[index]
-    return prompt if isinstance(prompt, str) else state.tokenizer.decode(list(prompt))
-
-
-async def stream_response(request: web.Request, runs: list[RequestRun], request_id: str, firsts: list[Any],
-                          outputs: list[Any], prompt_tokens: int) -> web.StreamResponse:
-    req, state = runs[0].req, runs[0].state
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    created = int(time.time())
-    for run, first in zip(runs, firsts):
-        if req.kind == "chat":
-            await response.write(sse(responses.chunk_body(req, request_id, created, "", None, first=True,
-                                                         index=run.index)))
-        elif req.echo:
-            run.take_prompt(first)  # the first output carries the prompt's logprobs: they go with the prompt's text
-            await response.write(sse(responses.chunk_body(req, request_id, created,
-                                                         prompt_text(state, req, run.prompt_index), None,
-                                                         logprobs=run.take_logprobs(), index=run.index)))
-    queue: asyncio.Queue = asyncio.Queue()
-    pumps = [asyncio.create_task(pump(i, first, out, queue)) for i, (first, out) in enumerate(zip(firsts, outputs))]
-    try:
-        remaining = len(runs)
-        while remaining:
-            i, output = await queue.get()
-            if isinstance(output, BaseException):
-                raise output
-            run = runs[i]
-            text = run.feed(output)
-            if run.splits_output:
-                await write_deltas(response, run, request_id, created, run.split(text))
-            elif text:
-                await response.write(sse(responses.chunk_body(req, request_id, created, text, None,
-                                                             logprobs=run.take_logprobs(), index=run.index)))
-            if run.finish_reason is not None:
-                remaining -= 1
-                reason = run.finish_reason
-                if run.tool_stream is not None:
-                    reason = tool_calls.finish_reason(run.tool_stream.calls, reason)
-                await response.write(sse(responses.chunk_body(req, request_id, created, None, reason,
-                                                             logprobs=run.take_logprobs(), index=run.index)))
-    except EngineStepFailed as exc:
-        state.metrics.count("requests_failed_total")
-        await response.write(sse(error_body(str(exc), "internal_server_error")))
-        await response.write(b"data: [DONE]\n\n")
-        return response
-    except (ConnectionError, asyncio.CancelledError):
-        state.metrics.count("requests_aborted_total")
-        raise
-    finally:
-        for task in pumps:  # a client that left, or a failed choice: the others stop too (and abort on the engine)
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-    if req.include_usage:
-        await response.write(sse(responses.usage_chunk(req, request_id, created, prompt_tokens,
-                                                      sum(r.num_output_tokens for r in runs))))
-    await response.write(b"data: [DONE]\n\n")
-    for run in runs:
-        run.record()
-    return response
-
-
-async def write_deltas(response: web.StreamResponse, run: RequestRun, request_id: str, created: int,
-                       deltas: list[dict[str, Any]]) -> None:
-    """A tool-using choice's deltas (content, a call's start, its arguments' fragments), one chunk each; the
-    logprobs of the tokens so far go with the first (held-back tokens' wait for the next chunk sent)."""
-    for delta in deltas:
-        chunk = responses.chunk_body(run.req, request_id, created, None, None, logprobs=run.take_logprobs(),
-                                    index=run.index)
-        chunk["choices"][0]["delta"].update(delta)
-        await response.write(sse(chunk))
-
-
-async def pump(index: int, first: Any, outputs: Any, queue: asyncio.Queue) -> None:
-    """Choice ``index``'s outputs into the shared queue, ending at its finished one (or an error)."""
-    try:
-        output = first
-        await queue.put((index, output))
-        while not output.finished:
-            output = await anext(outputs)
-            await queue.put((index, output))
-    except StopAsyncIteration:
-        return
-    except Exception as exc:  # an engine failure ends the stream; the main loop raises it
-        await queue.put((index, exc))

@@ -142,18 +142,21 @@ class IncrementalDetokenizer:
 
 
 class StopChecker:
-    """Cuts the text at the first stop string; holds back a possible stop-string prefix until it is decided."""
+    """Cuts the text at the first stop string (after it, with ``include``); holds back a possible stop-string prefix
+    until it is decided."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         self.stops = stops
+        self.include = include
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
 
     def feed(self, delta: str, final: bool) -> tuple[str, bool]:
         self.pending += delta
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            text, self.pending = self.pending[:min(hits)], ""
+            start, minus_length = min(hits)  # the first stop string to start (the longest of those starting there)
+            text, self.pending = self.pending[:start - minus_length if self.include else start], ""
             return text, True
         cut = len(self.pending) if final else max(0, len(self.pending) - self.hold)
         text, self.pending = self.pending[:cut], self.pending[cut:]
@@ -218,8 +221,10 @@ class TextStream:
     tokenizers that treat the first token of a string specially (leading spaces) still give the right delta.
     """
 
-    def __init__(self, tokenizer: Any, eos_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, tokenizer: Any, eos_ids: frozenset[int] = frozenset(), skip_special_tokens: bool = True) -> None:
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        # passed only when False: the default is every tokenizer's, and some stand-ins take no such argument
+        self.decode_options = {} if skip_special_tokens else {"skip_special_tokens": False}
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -228,8 +233,8 @@ class TextStream:
         self.ids.extend(t for t in new_ids if t not in self.eos_ids)
         if len(self.ids) == self.read_offset:
             return ""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], **self.decode_options)
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:], **self.decode_options)
         if new_text.endswith("\ufffd") and not final:
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
