@@ -1,6 +1,7 @@
-"""vLLM's output extras on both endpoints: ``include_stop_str_in_output`` keeps the stop string that ended the text,
+"""vLLM's request extras: ``include_stop_str_in_output`` keeps the stop string that ended the text,
 ``skip_special_tokens: false`` keeps special tokens' text, ``stream_options.continuous_usage_stats`` (with
-``include_usage``) puts the tokens so far on every chunk; wrong types are 400s."""
+``include_usage``) puts the tokens so far on every chunk, ``truncate_prompt_tokens`` keeps the prompt's last tokens;
+wrong values are 400s; ``/version`` answers."""
 
 from __future__ import annotations
 
@@ -80,3 +81,20 @@ def test_continuous_usage_stats(fake_served):
 def test_wrong_types_are_bad_requests(fake_served, extra, param):
     status, body = completion(fake_served.url, **extra)
     assert status == 400 and body["error"]["param"] == param
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(fake_served):
+    def prompt_tokens(**extra):
+        status, body = completion(fake_served.url, prompt="Hello world", max_tokens=2, **extra)
+        return status, body["usage"]["prompt_tokens"] if status == 200 else body["error"]["param"]
+
+    assert prompt_tokens() == (200, 11)  # one token a byte
+    assert prompt_tokens(truncate_prompt_tokens=3) == (200, 3)
+    assert prompt_tokens(truncate_prompt_tokens=-1) == (200, 11)  # the context's length: nothing cut here
+    assert prompt_tokens(truncate_prompt_tokens=0) == (400, "truncate_prompt_tokens")
+    assert prompt_tokens(truncate_prompt_tokens=10_000) == (400, "truncate_prompt_tokens")
+
+
+def test_version(fake_served):
+    with urllib.request.urlopen(fake_served.url + "/version", timeout=30) as response:
+        assert response.status == 200 and json.loads(response.read())["version"]

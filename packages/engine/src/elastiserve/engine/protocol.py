@@ -86,6 +86,7 @@ class ParsedRequest:
     parallel_tool_calls: bool = True  # chat: False lets a "required" tool_choice make one call only
     template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how the template renders
     priority: int = 0  # vLLM's: lower is served first, where the engine schedules by priority
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context's length)
 
     @property
     def max_tokens(self) -> int:
@@ -218,8 +219,12 @@ def _extras(body: dict) -> dict[str, Any]:
     """vLLM's request extras: the output-text booleans and the scheduling priority, as ParsedRequest fields."""
     include = _check_type(body, "include_stop_str_in_output", (bool,), "a boolean")
     skip = _check_type(body, "skip_special_tokens", (bool,), "a boolean")
+    truncate = _integer(body, "truncate_prompt_tokens")
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise BadRequest(f"'truncate_prompt_tokens' must be at least 1 (or -1: the context's length), got {truncate}",
+                         param="truncate_prompt_tokens")
     return {"include_stop_str": bool(include), "skip_special_tokens": skip is not False,
-            "priority": _integer(body, "priority") or 0}
+            "priority": _integer(body, "priority") or 0, "truncate_prompt_tokens": truncate}
 
 
 def _require_model(body: dict) -> str:

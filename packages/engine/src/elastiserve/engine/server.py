@@ -119,6 +119,16 @@ async def health(request: web.Request) -> web.Response:
                               "step_errors": state.engine.step_errors})
 
 
+async def version(request: web.Request) -> web.Response:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return web.json_response({"version": package_version("elastiserve-engine")})
+    except PackageNotFoundError:  # run from a source tree without installing
+        return web.json_response({"version": "unknown"})
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     extra = {"requests_in_flight": state.engine.num_in_flight, "engine_step_errors": state.engine.step_errors}
@@ -150,6 +160,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str, api_key: 
     app.router.add_post("/tokenize", tokenize)  # vLLM's, outside /v1 as there
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)  # vLLM's
     app.router.add_get("/metrics", metrics)
     return app
 

@@ -74,6 +74,18 @@ def prompt_ids_of(state: ServerState, req: ParsedRequest) -> list[list[int]]:
     return prompts
 
 
+def truncated(state: ServerState, req: ParsedRequest, ids: list[int]) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the context's length), as vLLM keeps them."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    keep = state.max_model_len if keep == -1 else keep
+    if keep > state.max_model_len:
+        raise BadRequest(f"'truncate_prompt_tokens' ({keep}) is over the model's context length "
+                         f"({state.max_model_len})", param="truncate_prompt_tokens")
+    return ids[-keep:]
+
+
 def check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise BadRequest(f"model {model!r} does not exist; this server serves {state.model_name!r}", param="model",
@@ -107,7 +119,7 @@ def make_params(state: ServerState, req: ParsedRequest, prompt_len: int) -> Any:
 
 async def handle_generation(request: web.Request, req: ParsedRequest) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    prompts = prompt_ids_of(state, req)
+    prompts = [truncated(state, req, ids) for ids in prompt_ids_of(state, req)]
     params = [make_params(state, req, len(ids)) for ids in prompts]
     request_id = responses.new_id(req.kind)
     state.metrics.count("requests_total")
