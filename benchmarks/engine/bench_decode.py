@@ -181,7 +181,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     log_compiles()  # before any engine: LoopWatch compares the loop's compiles with every one before it
     rows = []
     for policy in args.policies:
-        engine = build_engine(args, policy, max_num_seqs=args.max_num_seqs, kv_bytes=args.throughput_kv_bytes)
+        engine = build_engine(args, policy, max_num_seqs=args.max_num_seqs, kv_bytes=args.throughput_kv_bytes,
+                              queue_fast_after_s=args.queue_fast_after)
         rng = random.Random(args.seed)
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         warm_lens = [min(16 + 8 * i, args.max_model_len - 4) for i in range(4)]
@@ -270,6 +271,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256, help="(d)")
     p.add_argument("--throughput-kv-gib", type=float, default=24.0, help="(d): KV pool per policy")
+    p.add_argument("--queue-fast-after", type=float, default=None,
+                   help="(d): dps and combined run every layer in FP8 while a request has waited this long (s)")
     p.add_argument("--cpu-kv-blocks", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp8-min-rows-quantized", type=int, default=None,
