@@ -296,6 +296,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split-quant-max-rows", type=int, default=None,
                    help="most rows the quantizing SiLU-and-mul splits over programs (silu_mul.SPLIT_QUANT_MAX_ROWS; "
                         "0: one program a row); default: the table's")
+    p.add_argument("--silu-quant-single-launch", type=int, choices=(0, 1), default=None,
+                   help="the split quantizing SiLU-and-mul in one waiting launch (silu_mul.SINGLE_LAUNCH); "
+                        "default: the table's")
     p.add_argument("--norm-weight-early", type=int, choices=(0, 1), default=None,
                    help="PDL-launched norms load their weight before the wait (rms_norm.WEIGHT_BEFORE_WAIT); "
                         "default: the table's")
@@ -336,7 +339,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
                  (nested_gemm.SPLIT_K_MERGE, args.split_k_merge),
                  (l2_prefetch.L2_PREFETCH_SHARE, None if args.l2_prefetch is None else dict(args.l2_prefetch)),
-                 (norms.WEIGHT_BEFORE_WAIT, None if args.norm_weight_early is None else bool(args.norm_weight_early))]
+                 (norms.WEIGHT_BEFORE_WAIT, None if args.norm_weight_early is None else bool(args.norm_weight_early)),
+                 (silu_mul.SINGLE_LAUNCH,
+                  None if args.silu_quant_single_launch is None else bool(args.silu_quant_single_launch))]
     arch = current_platform().arch
     if args.skinny_plain_max_rows is not None:
         overrides.append((configs.SKINNY_MAX_M, dict(configs.SKINNY_MAX_M.get(arch, {}),

@@ -113,7 +113,7 @@ def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 # Archs whose PDL-launched norms load their weight before waiting on the previous kernel, so that its memory latency
 # passes while that kernel drains (a decode step runs 2 norms a layer, each a few microseconds, most of it waiting
-# on memory). Built in session 26 without a GPU, off until `bash ci/gpu/norm_weight_early_round.sh` times it (the
+# on memory). Built in session 26 without a GPU, off until `bash ci/gpu/decode_gaps_round.sh` times it (the
 # decode table with --norm-weight-early 0 and 1 side by side); the PTX order is checked on the CPU
 # (tests/kernels/test_launch.py).
 WEIGHT_BEFORE_WAIT: dict[str, bool] = {}
