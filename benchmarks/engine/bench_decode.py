@@ -24,7 +24,6 @@ a config dict as JSON text (written to a temporary directory).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import random
@@ -296,12 +295,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split-quant-max-rows", type=int, default=None,
                    help="most rows the quantizing SiLU-and-mul splits over programs (silu_mul.SPLIT_QUANT_MAX_ROWS; "
                         "0: one program a row); default: the table's")
-    p.add_argument("--silu-quant-single-launch", type=int, choices=(0, 1), default=None,
-                   help="the split quantizing SiLU-and-mul in one waiting launch (silu_mul.SINGLE_LAUNCH); "
-                        "default: the table's")
-    p.add_argument("--norm-weight-early", type=int, choices=(0, 1), default=None,
-                   help="PDL-launched norms load their weight before the wait (rms_norm.WEIGHT_BEFORE_WAIT); "
-                        "default: the table's")
     args = p.parse_args(argv)
     args.batches = sorted(set(args.batches))
     if args.switch_steps < 4:
@@ -327,8 +320,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from elastiserve.kernels import configs, l2_prefetch, nested_gemm, silu_mul
     from elastiserve.platforms import current_platform
 
-    norms = importlib.import_module("elastiserve.kernels.rms_norm")  # the package exports the op by that name
-
     args = parse_args(argv)
     threads = torch.get_num_threads()
     if args.device == "cpu":
@@ -338,10 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
                  (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
                  (nested_gemm.SPLIT_K_MERGE, args.split_k_merge),
-                 (l2_prefetch.L2_PREFETCH_SHARE, None if args.l2_prefetch is None else dict(args.l2_prefetch)),
-                 (norms.WEIGHT_BEFORE_WAIT, None if args.norm_weight_early is None else bool(args.norm_weight_early)),
-                 (silu_mul.SINGLE_LAUNCH,
-                  None if args.silu_quant_single_launch is None else bool(args.silu_quant_single_launch))]
+                 (l2_prefetch.L2_PREFETCH_SHARE, None if args.l2_prefetch is None else dict(args.l2_prefetch))]
     arch = current_platform().arch
     if args.skinny_plain_max_rows is not None:
         overrides.append((configs.SKINNY_MAX_M, dict(configs.SKINNY_MAX_M.get(arch, {}),

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host (~7 min), written in session 26 without a GPU, not run yet: two options that
-# each save part of fast mode's ~38 us a step at batch 2 (1.58x full, target 1.6x), both off until this runs.
+# One device call on a one-GPU host (~7 min; ran in session 27 at c184519): two options for fast mode's batch-2 gap
+# (1.58x full, target 1.6x, ~38 us a step), both removed after it (no gain beyond run-to-run spread; BENCHMARKS.md,
+# engine section, session 27). Run it from c184519, where the options and their flags exist:
 # - rms_norm.WEIGHT_BEFORE_WAIT: PDL-launched norms load their weight before waiting on the previous kernel.
 # - silu_mul.SINGLE_LAUNCH: the split quantizing SiLU-and-mul in one launch whose programs wait for their row's max.
 # 1. Their GPU tests: the norm's bytes with and without the early load (PDL on), the single launch's bytes against
 #    the two launches call after call and in a replayed graph, the fp8-row and PDL tests.
 # 2. The decode table (roofline, fast/full at batches 1-32) four ways side by side: as committed, each option alone,
-#    both. Turn on (WEIGHT_BEFORE_WAIT["sm90"] / SINGLE_LAUNCH["sm90"] = True) what 1 passes and 2 finds faster,
-#    with the figures.
+#    both.
 source ci/gpu/bootstrap.sh
 set +e
 start_round

@@ -6,8 +6,6 @@ opcheck, and torch.compile(fullgraph=True) over all four ops."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from elementwise_cases import assert_rms_norm_close, qkv_views, rotary_tables
@@ -70,17 +68,6 @@ def test_fused_add_rms_norm_matches_reference(device, tokens, hidden):
     assert_rms_norm_close(out, expected_residual, weight, EPS)  # the norm of the new residual...
     assert (out == expected_out).float().mean().item() >= 0.99  # ...which is the fused reference's output
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "inputs must not be written"
-
-
-@pytest.mark.parametrize("early", [False, True])
-def test_norm_bytes_do_not_depend_on_when_the_weight_is_loaded(device, monkeypatch, early):
-    """rms_norm.WEIGHT_BEFORE_WAIT moves the weight's load ahead of the PDL wait: the same bytes either way."""
-    module = importlib.import_module("elastiserve.kernels.rms_norm")  # the package exports the op by that name
-    x, residual, weight = norm_inputs(device, 3, 136)
-    before = fused_add_rms_norm(x, residual, weight, EPS)
-    monkeypatch.setattr(module, "_weight_early", lambda: {"WEIGHT_EARLY": early})
-    after = fused_add_rms_norm(x, residual, weight, EPS)
-    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
 
 def test_fused_add_rms_norm_strided_inputs(device):

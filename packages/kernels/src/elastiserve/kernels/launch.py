@@ -5,10 +5,9 @@ two dependent kernels (the next grid's launch and ramp-up after the last block o
 real share of the step. On sm90 a kernel launched with the PDL attribute may start once every block of the kernel
 before it has executed ``griddepcontrol.launch_dependents``; it then waits in ``griddepcontrol.wait`` until that
 kernel has finished and its memory is visible. Every kernel here that can be launched that way calls
-``wait_for_prior_grid`` before its first access to memory another kernel of the step may write, so it reads and
-writes exactly what it would after an ordinary launch; only the launch overlaps (and loads of what no kernel writes,
-weights, which some kernels issue before the wait). A kernel launched without the attribute (torch's, cuBLAS's)
-waits for the whole previous kernel as always, and CUDA graph capture keeps the programmatic edges.
+``wait_for_prior_grid`` before its first global memory access, so it reads and writes exactly what it would after
+an ordinary launch; only the launch overlaps. A kernel launched without the attribute (torch's, cuBLAS's) waits for
+the whole previous kernel as always, and CUDA graph capture keeps the programmatic edges.
 
 Whether PDL is on is the platform's ``programmatic_launch`` (``ELASTISERVE_PDL``), resolved once: on by default on
 sm90, where it cut the batch-1 decode step by 5-8 % in both modes (capability.PDL_BY_DEFAULT).

@@ -62,20 +62,19 @@ def _rms_norm_kernel(
     FP8_MAX: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
     ROUND_IN_SOFTWARE: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr = False, WEIGHT_EARLY: tl.constexpr = False,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    # Loading the weight before the wait (nothing writes it) was timed in session 27 (code at c184519): the fast
+    # step 0-4 us shorter at batches 1-16, 3 us longer at 32 (h200-llama8b-decode-s27-norm-early.json): not kept.
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // rows_inner, row % rows_inner
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if WEIGHT_EARLY:  # before the wait: no kernel of a step writes norm weights (WEIGHT_BEFORE_WAIT says why)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    wait_for_prior_grid(PDL)
     x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
-    if not WEIGHT_EARLY:
-        # Issued with x's load: ptxas keeps global loads below a barrier, so a weight load written after the mean's
-        # block reduction waited a second memory latency there (the norm weights leave the L2 between decode steps).
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    # Issued with x's load: ptxas keeps global loads below a barrier, so a weight load written after the mean's
+    # block reduction waited a second memory latency there (the norm weights leave the L2 between decode steps).
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
         x = x + residual  # in the input dtype: the same single rounding as torch's ``x + residual``
@@ -111,14 +110,6 @@ def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return t, t.stride(0), t.stride(1), t.shape[1]
 
 
-# Archs whose PDL-launched norms load their weight before waiting on the previous kernel, so that its memory latency
-# passes while that kernel drains (a decode step runs 2 norms a layer, each a few microseconds, most of it waiting
-# on memory). Built in session 26 without a GPU, off until `bash ci/gpu/decode_gaps_round.sh` times it (the
-# decode table with --norm-weight-early 0 and 1 side by side); the PTX order is checked on the CPU
-# (tests/kernels/test_launch.py).
-WEIGHT_BEFORE_WAIT: dict[str, bool] = {}
-
-
 def _num_warps(block: int, quant: bool = False) -> int:
     # The plain norm keeps each thread at ~32 fp16 elements of the row, the quantizing one at ~8 (its second block
     # reduction, for the scale, is cheaper spread thin). Fused add + norm of 4,096 columns at 1-4 rows on the H200
@@ -152,7 +143,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         out, q, scale, residual_out, x, residual if has_residual else x, weight.contiguous(),
         sxo, sxi, sro, sri, rows_inner, n_cols, eps,
         HAS_RESIDUAL=has_residual, QUANT=quant, **fp8_constants(fnuz), BLOCK=block, num_warps=_num_warps(block, quant),
-        **pdl_options(), **_weight_early(),
+        **pdl_options(),
     )  # fmt: skip
     return out, residual_out
 
@@ -204,11 +195,6 @@ def fused_add_rms_norm(
 @fused_add_rms_norm.register_fake
 def _(x, residual, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
-
-
-def _weight_early() -> dict:
-    platform = current_platform()
-    return {"WEIGHT_EARLY": True} if platform.programmatic_launch and WEIGHT_BEFORE_WAIT.get(platform.arch) else {}
 
 
 def _check_quant(x: torch.Tensor, weight: torch.Tensor) -> None:

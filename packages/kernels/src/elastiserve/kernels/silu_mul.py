@@ -36,7 +36,6 @@ from elastiserve.kernels.fp8_activations import (
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.rms_norm import ElementwiseShapeError
 from elastiserve.platforms import current_platform
-from elastiserve.platforms.env import triton_interpret
 
 BLOCK = 1024  # columns per program: a batch-1 decode row of Llama-8B (I = 14336) still spreads over 14 SMs
 # Up to this many rows of more than QUANT_SHORT_K values, silu_and_mul_quant splits each row over BLOCK-wide programs
@@ -44,6 +43,9 @@ BLOCK = 1024  # columns per program: a batch-1 decode row of Llama-8B (I = 14336
 # program computes a whole 14,336-wide row on one SM and took 5.4 us a call on the H200 at 1-4 rows (session 19
 # profile, PDL off) against 1.5 us for the plain SiLU-and-mul over 14 programs. An arch not listed keeps one program.
 # The interpreter takes the split from the first row so the CPU tests reach it.
+# Both launches as one, whose programs wait for their row's maximum, was timed in session 27 (code at c184519,
+# benchmarks/engine/results/h200-llama8b-decode-s27-*.json, side by side): the fast step 1-12 us shorter at batches
+# 1-16 (2.722 -> 2.714 ms at batch 2), 4 us longer at 32, less than one tree moves between runs: removed.
 SPLIT_QUANT_MAX_ROWS = {"sm90": 32, "cpu": 4}
 
 
@@ -122,72 +124,6 @@ def _silu_mul_quantize_chunk_kernel(q_ptr, scale_ptr, x_ptr, chunk_max_ptr, inte
         tl.store(scale_ptr + row, scale)
 
 
-@triton.jit
-def _silu_mul_quant_waiting_kernel(q_ptr, scale_ptr, gate_up_ptr, stride_row, inter, sync_ptr,
-                                   FP8_MAX: tl.constexpr, MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr,
-                                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Both launches of the split route in one (``SINGLE_LAUNCH`` says when): each program keeps its chunk's product
-    in registers, publishes the chunk's max, waits until every chunk of its row has, then writes its codes. Every
-    program of a row must be resident at once (``waits_fit``); the interpreter, which runs programs one by one,
-    cannot run it.
-
-    ``sync_ptr`` holds three int64 per row that are never reset: tickets taken, the row's max tagged with the launch's
-    generation (high 32 bits; a newer generation always exceeds an older one, so atomic max clears the last launch's
-    value), and chunks published. A launch's generation is ticket // chunks, since launches on a stream do not
-    overlap (PDL included: a grid waits for the whole grid before it) and every program takes one ticket."""
-    wait_for_prior_grid(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chunks = tl.num_programs(1)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    out = _silu_mul(gate_up_ptr + row * stride_row, inter, cols, mask).to(tl.float32)  # the fp16 product, exactly
-    sync = sync_ptr + row * 3
-    generation = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu") // chunks
-    amax_bits = tl.max(tl.abs(out), axis=0).to(tl.int32, bitcast=True).to(tl.int64)  # >= 0: ordered as the floats
-    tl.atomic_max(sync + 1, (generation << 32) | amax_bits, sem="release", scope="gpu")
-    tl.atomic_add(sync + 2, 1, sem="release", scope="gpu")  # after the max: a release orders it first
-    target = (generation + 1) * chunks
-    published = tl.atomic_add(sync + 2, 0, sem="acquire", scope="gpu")
-    while published < target:
-        published = tl.atomic_add(sync + 2, 0, sem="acquire", scope="gpu")
-    tagged = tl.atomic_add(sync + 1, 0, sem="acquire", scope="gpu")
-    scale = scale_of((tagged & 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), FP8_MAX)
-    q = to_fp8_range(out, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
-    tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    if tl.program_id(1) == 0:
-        tl.store(scale_ptr + row, scale)
-
-
-# Archs whose split route runs as one launch that waits for each row's maximum (_silu_mul_quant_waiting_kernel):
-# the two launches cost a launch and a trip of the products through the L2 (at two rows on the H200 the quantizing
-# SiLU-and-mul took 51 us a step more than the plain one, session 22's PDL-off profile). Built in session 26 without
-# a GPU; off until `bash ci/gpu/decode_gaps_round.sh` proves it (its bytes equal the two launches', timed).
-SINGLE_LAUNCH: dict[str, bool] = {}
-_sync: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def waits_fit(num_rows: int, chunks: int) -> bool:
-    """Whether one waiting launch fits: every program resident at once, one per SM at most (a guarantee, not a
-    bet on occupancy), and the platform's table on."""
-    platform = current_platform()
-    return (SINGLE_LAUNCH.get(platform.arch, False) and not triton_interpret()
-            and num_rows * chunks <= platform.num_sms)
-
-
-def sync_counters(device: torch.device, chunks: int) -> torch.Tensor | None:
-    """The waiting kernel's int64 counters, three a row for as many rows as SMs (``waits_fit`` allows no more), for
-    rows of ``chunks`` chunks (launches that share a row's counters must have one chunk count). Zeroed once and kept:
-    a captured graph holds their address. None inside a capture that would need a new buffer (the caller then takes
-    the two launches; the engine's warm-up runs every batch size before it captures)."""
-    sync = _sync.get((device, chunks))
-    if sync is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        sync = torch.zeros(3 * current_platform().num_sms, dtype=torch.int64, device=device)
-        _sync[(device, chunks)] = sync
-    return sync
-
-
 def _rows_of(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up as [R, 2I] rows with a unit last stride, a view where the leading dims allow it."""
     inter2 = gate_up.shape[-1]
@@ -235,12 +171,8 @@ def _silu_and_mul_quant_triton(gate_up: torch.Tensor, fnuz: bool) -> tuple[torch
     if not quantizes_in_one_pass(num_rows, inter):  # prefill-sized: the looping quantizer reads such rows faster
         return quantize_per_token(_silu_and_mul_triton(rows), fnuz)
     q, scale = empty_fp8_rows(num_rows, inter, fnuz, gate_up.device)
-    chunks = triton.cdiv(inter, BLOCK)
-    sync = sync_counters(rows.device, chunks) if num_rows and waits_fit(num_rows, chunks) else None
-    if sync is not None and splits_quantizing_rows(num_rows, inter):
-        _silu_mul_quant_waiting_kernel[(num_rows, chunks)](q, scale, rows, rows.stride(0), inter, sync,
-                                                           **fp8_constants(fnuz), BLOCK=BLOCK, **pdl_options())
-    elif num_rows and splits_quantizing_rows(num_rows, inter):
+    if num_rows and splits_quantizing_rows(num_rows, inter):
+        chunks = triton.cdiv(inter, BLOCK)
         product = torch.empty((num_rows, inter), dtype=rows.dtype, device=rows.device)
         chunk_max = torch.empty((num_rows, chunks), dtype=torch.float32, device=rows.device)
         grid = (num_rows, chunks)
