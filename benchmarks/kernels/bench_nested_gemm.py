@@ -34,6 +34,8 @@ SHAPES = {  # name -> (N, K)
     "qwen3-8b.gate_up": (24576, 4096),
     "qwen3-8b.down": (4096, 12288),
 }
+# Only when named in --shapes: Llama-3.1-8B's lm_head (1.05 GB in fp16), nested under --nest-lm-head.
+EXTRA_SHAPES = {"llama3.1-8b.lm_head": (128256, 4096)}
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
 MOE = {"name": "qwen3-30b-a3b", "hidden": 2048, "expert_inter": 768, "experts": 128, "top_k": 8}
 ROTATE_BYTES = 400 << 20
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--m", type=int, nargs="*", default=list(M_VALUES))
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=[*SHAPES, *EXTRA_SHAPES])
     parser.add_argument("--tune", action="store_true", help="time candidate tile configs per shape first")
     parser.add_argument("--no-moe", action="store_true")
     args = parser.parse_args(argv)
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
     dense = []
     seen = {}
     for name in args.shapes:
-        n, k = SHAPES[name]
+        n, k = SHAPES.get(name) or EXTRA_SHAPES[name]
         if (n, k) in seen:  # Qwen3-8B qkv/o share Llama's shapes: reuse, but keep one row per model shape
             dense += [{**row, "shape": name} for row in seen[(n, k)]]
             continue

@@ -42,7 +42,8 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     argv = ["--device", "cpu", "--model", json.dumps(TINY), "--requests", "8", "--batch", "1", "2", "--context", "12",
             "--iters", "2", "--trials", "2", "--switch-batch", "2", "--switch-steps", "4", "--max-model-len", "64",
             "--policies", "static-fp16", "elastickv", "--fp8-min-rows-quantized", "1", "--out", str(out),
-            "--queue-fast-after", "0.5"]  # dropped for these two, which never switch precision
+            "--queue-fast-after", "0.5",  # dropped for these two, which never switch precision
+            "--nest-lm-head"]  # (b) and (c): the DPS engine's lm_head nested, fast with the last layer
     if TRACES.is_dir():
         argv += ["--trace-dir", str(TRACES)]
     from elastiserve.kernels import nested_gemm
@@ -56,7 +57,7 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     assert {"device", "torch", "triton", "commit", "settings"} <= set(meta) and len(meta["commit"]) == 40
     assert meta["settings"]["batches"] == [1, 2] and meta["settings"]["device"] == "cpu"
     assert meta["settings"]["queue_fast_after"] == 0.5
-    assert meta["settings"]["fp8_min_rows_quantized"] == 1
+    assert meta["settings"]["fp8_min_rows_quantized"] == 1 and meta["settings"]["nest_lm_head"] is True
     assert thresholds == nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, "the run restores the routing table"
     roof = data["roofline"]
     assert roof["step_s"] > 0 and roof["copy"]["bytes_per_s"] > 0 and roof["fraction"] > 0

@@ -83,6 +83,24 @@ def test_fp8_kv_context_and_weight_rounding():
     assert (after - before).abs().max() > 0 and torch.equal(model.lm_head.weight, head)
 
 
+def test_fast_weights_of_a_tied_lm_head_leave_the_embedding_alone():
+    class TiedTiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder_layers = torch.nn.ModuleList([torch.nn.Linear(33, 17).half()])
+            self.embed_tokens = torch.nn.Embedding(5, 33).half()
+            self.lm_head = torch.nn.Linear(33, 5, bias=False).half()
+            self.lm_head.weight = self.embed_tokens.weight
+
+    torch.manual_seed(0)
+    model = TiedTiny()
+    table = model.embed_tokens.weight.detach().clone()
+    assert q.nested_weights_(model, "fast", lm_head=True) == 2
+    assert torch.equal(model.embed_tokens.weight, table) and model.lm_head.weight is not model.embed_tokens.weight
+    assert not torch.equal(model.lm_head.weight, table)  # the upper plane: 2 or 3 mantissa bits of 10 left
+    assert ((model.lm_head.weight.float() - table.float()).abs() <= table.float().abs() / 8 + 2**-9).all()
+
+
 def test_sharegpt_reader_and_exact_sequences():
     answers = q.sharegpt_answers()
     first = [next(answers) for _ in range(3)]
@@ -102,12 +120,13 @@ def test_quality_run_on_smollm2():
     report = q.run_quality(cfg)
     by = {r["name"]: r for r in report["results"]}
     assert list(by) == ["fp16", "base-5%", "base-10%", "base-20%", "base-100%", "fp8-kv", "fp8-weights", "full",
-                        "fast"]
+                        "fast", "fast-lm-head"]
     ref = by["fp16"]
     assert 1.0 < ref["perplexity"] < 100 and ref["tokens"] == 63
     assert by["full"]["top1_agreement"] >= 0.99 and by["full"]["generation_exact"] == 1.0
     assert math.isclose(by["full"]["perplexity"], ref["perplexity"], rel_tol=2e-3)
-    for name in ("fast", "fp8-weights", "fp8-kv", "base-100%"):
+    assert by["fast-lm-head"]["perplexity"] != by["fast"]["perplexity"]  # the head's FP8 logits count
+    for name in ("fast", "fast-lm-head", "fp8-weights", "fp8-kv", "base-100%"):
         assert 0.7 <= by[name]["top1_agreement"] <= 1.0, name
         assert math.isclose(by[name]["perplexity"], ref["perplexity"], rel_tol=0.25), name
     exposures = [by[f"base-{c}%"]["base_exposure"] for c in (5, 10, 20, 100)]

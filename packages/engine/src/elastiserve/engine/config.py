@@ -42,6 +42,12 @@ class EngineConfig:
     # dps / combined: run every layer in FP8 (residuals kept resident, so going back costs nothing) while a request
     # has waited this long for its first token (control PrecisionConfig.queue_fast_s); None: memory alone decides.
     queue_fast_after_s: float | None = None
+    # Nested policies: nest lm_head too, so that it reads its upper plane only while the last decoder layer runs fast
+    # (per-layer eviction reaches that layer last: every layer is fast by then). Its lower plane stays a device
+    # tensor of its own, outside the shared region. Off by default, as serving systems keep lm_head 16-bit under FP8
+    # (vLLM's GPTQ ``lm_head_quantized`` is opt-in too): its logits move in fast mode. A tied lm_head gets planes of
+    # its own, and the embedding keeps its fp16 table.
+    nest_lm_head: bool = False
     # Reuse the KV of complete pairs whose tokens (and every token before them) match an earlier request's
     # (prefix_cache.py). While weight residuals are evicted, unused pairs are not retained (restore needs the units).
     enable_prefix_caching: bool = False
@@ -82,6 +88,9 @@ class EngineConfig:
             raise ConfigError("sink_pairs and recent_pairs must be >= 0")
         if self.queue_fast_after_s is not None and self.policy not in SWITCHING_POLICIES:
             raise ConfigError(f"queue_fast_after_s needs a policy that can switch precision {SWITCHING_POLICIES}, "
+                              f"not {self.policy!r}")
+        if self.nest_lm_head and not self.uses_nested_weights:
+            raise ConfigError(f"nest_lm_head needs a policy with nested weights (static-fp8, dps, combined), "
                               f"not {self.policy!r}")
         if self.max_model_len is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be positive")

@@ -125,13 +125,17 @@ def nest_experts(block: SparseMoeBlock, prefix: str, report: NestingReport) -> N
     block.grouped_gemm = grouped_gemm_nested
 
 
-def nest_weights(model: nn.Module) -> NestingReport:
-    """Nest every ``nn.Linear`` but ``lm_head`` and the MoE routers, and every MoE block's stacked experts, in place.
+def nest_weights(model: nn.Module, lm_head: bool = False) -> NestingReport:
+    """Nest every ``nn.Linear`` but the MoE routers (and ``lm_head`` unless ``lm_head``), and every MoE block's
+    stacked experts, in place.
 
     The router (``gate``, hidden x num_experts: 0.1 % of a Qwen3-MoE layer's bytes) stays 16-bit, as serving systems
-    keep it: an FP8 router would change which experts run in fast mode, not only how precisely they run.
+    keep it: an FP8 router would change which experts run in fast mode, not only how precisely they run. A nested
+    ``lm_head`` (``EngineConfig.nest_lm_head``) is built from its weight's values, so a tied one leaves the embedding
+    its fp16 table; ``set_layer_modes`` runs it fast with the last decoder layer, and its lower plane is not part of
+    any layer's residual (``layer_lower_planes``).
     """
-    report = nest_model(model, skip=("lm_head", "gate"))
+    report = nest_model(model, skip=("gate",) if lm_head else ("lm_head", "gate"))
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
     for name, block in blocks:
         nest_experts(block, name, report)
@@ -139,13 +143,17 @@ def nest_weights(model: nn.Module) -> NestingReport:
 
 
 def set_layer_modes(model: nn.Module, fast_layers: frozenset[int]) -> None:
-    """Decoder layers in ``fast_layers`` run their upper planes only (linears and experts); the others run full."""
+    """Decoder layers in ``fast_layers`` run their upper planes only (linears and experts); the others run full. A
+    nested ``lm_head`` follows the last layer: fast only once every layer the per-layer eviction reaches first is."""
     for index, layer in enumerate(model.decoder_layers):
         mode = "fast" if index in fast_layers else "full"
         set_mode(layer, mode)
         for module in layer.modules():
             if isinstance(module, NestedExperts):
                 module.set_mode(mode)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, NestedLinear):
+        head.set_mode("fast" if len(model.decoder_layers) - 1 in fast_layers else "full")
 
 
 def layer_lower_planes(model: nn.Module) -> dict[int, list[Any]]:

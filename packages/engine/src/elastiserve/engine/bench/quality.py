@@ -6,6 +6,8 @@ greedy generation agreement on a fixed prompt set, for:
 * ``fp16``: the reference (dense causal attention in fp32 over fp16 projections);
 * ``full`` / ``fast``: nested weights (`elastiserve.kernels`): in float32 runs the weights the nested GEMM computes
   with (exact merge / upper plane, from the kernels' formats); in float16 runs `nest_model` + `set_mode` themselves;
+* ``fast-lm-head``: ``fast`` with ``lm_head`` nested too and read from its upper plane (``--nest-lm-head``); a tied
+  head gets weights of its own, the embedding keeps its fp16 table;
 * ``base-5%`` ... ``base-100%``: fp16 weights, K/V of BASE pairs rounded to E5M2 (fp16 high byte, ties away from
   zero: exactly what demotion stores). For a query at position t the visible complete pairs are split into sinks
   (the first ``sink_pairs``), recent (the last ``recent_pairs``) and middle; the oldest middle pairs are BASE, as many
@@ -216,14 +218,14 @@ def _decoder_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for layer in model.decoder_layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def nested_weights_(model: torch.nn.Module, mode: str) -> int:
-    """Replace decoder linear weights by what nested ``mode`` computes with (formats of `elastiserve.kernels`):
-    full = merge(split(w)) (exact), fast = the upper plane as fp16, both with the layer's E4M3 prescale 2^s
-    applied back. Returns the number of nested layers."""
+def nested_weights_(model: torch.nn.Module, mode: str, lm_head: bool = False) -> int:
+    """Replace decoder linear weights (and ``lm_head``'s with ``lm_head``) by what nested ``mode`` computes with
+    (formats of `elastiserve.kernels`): full = merge(split(w)) (exact), fast = the upper plane as fp16, both with the
+    layer's E4M3 prescale 2^s applied back. Returns the number of nested layers."""
     from elastiserve.kernels import formats
 
     nested = 0
-    for module in _decoder_linears(model):
+    for module in _decoder_linears(model) + ([model.lm_head] if lm_head else []):
         w16 = module.weight.data.to(torch.float16)
         nesting, exp, _ = formats.choose_nesting(w16)
         if nesting is formats.Nesting.NONE:
@@ -233,7 +235,8 @@ def nested_weights_(model: torch.nn.Module, mode: str) -> int:
             value = formats.merge(upper, lower, nesting, exp)
         else:
             value = formats.upper_as_fp16(upper, nesting, exp)
-        module.weight.data = value.to(module.weight.dtype)
+        # A new parameter, not the old one's data: a tied lm_head shares its tensor with the embedding.
+        module.weight = torch.nn.Parameter(value.to(module.weight.dtype), requires_grad=False)
         nested += 1
     return nested
 
@@ -272,7 +275,7 @@ def run_quality(cfg: QualityConfig | None = None, *, progress: bool = False) -> 
 
     from elastiserve.engine.config import EngineConfig
     from elastiserve.engine.loader import load_model
-    from elastiserve.kernels.nested_linear import nest_model, set_mode
+    from elastiserve.kernels.nested_linear import NestedLinear, nest_model, set_mode
 
     cfg = cfg or QualityConfig()
     model, _, tokenizer = load_model(EngineConfig(model=cfg.model, device="cpu"))
@@ -287,7 +290,7 @@ def run_quality(cfg: QualityConfig | None = None, *, progress: bool = False) -> 
     plan: list[tuple[str, Any]] = []
     for cap in cfg.base_caps:
         plan.append((f"base-{100 * cap:g}%", cap))
-    plan += [("fp8-kv", None), ("fp8-weights", None), ("full", None), ("fast", None)]
+    plan += [("fp8-kv", None), ("fp8-weights", None), ("full", None), ("fast", None), ("fast-lm-head", None)]
     bar = tqdm(plan, desc="quality", disable=not progress)
     for name, cap in bar:
         if not wanted(name):
@@ -306,14 +309,16 @@ def run_quality(cfg: QualityConfig | None = None, *, progress: bool = False) -> 
             if name == "fp8-weights":
                 fp8_weights_(rounded)
             else:
-                nested_weights_(rounded, name)
+                nested_weights_(rounded, name.removesuffix("-lm-head"), lm_head=name == "fast-lm-head")
             results.append(_variant(name, rounded, *common, exact_ctx, reference, ref_gen, cfg.gen_tokens))
             del rounded
         else:  # float16 full / fast: nest once with the kernels, in place (the reference runs are done)
             if not getattr(model, "_quality_nested", False):
                 nest_model(model)
                 model._quality_nested = True
-            set_mode(model, name)
+            if name == "fast-lm-head":  # the last variant: lm_head nested from here on
+                model.lm_head = NestedLinear.from_linear(model.lm_head)[0]
+            set_mode(model, name.removesuffix("-lm-head"))
             results.append(_variant(name, model, *common, exact_ctx, reference, ref_gen, cfg.gen_tokens))
     return {"config": asdict(cfg), "results": [asdict(r) for r in results]}
 
