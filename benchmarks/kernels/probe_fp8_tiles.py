@@ -53,14 +53,24 @@ FULL_TALL_CANDIDATES = [
     (128, 32, 128, 4, 4), (128, 32, 256, 4, 3), (256, 32, 128, 4, 3), (128, 32, 128, 8, 4), (256, 32, 128, 8, 3),
     (256, 32, 64, 8, 4), (128, 16, 256, 4, 4),
 ]
+# Tall token tiles on 64-128 weight rows (session 28): a weight tile of 64 rows a warpgroup feeds wgmma with the
+# decoded tile as register operand A, and a 128-256-row token tile decodes each weight once up to 256 rows. Compiled
+# for sm90 on the CPU (compile_report.compile_gemm): every one runs async wgmma (wait_group 1-3), no spills, 131-254
+# registers; never timed (session 18's tall tiles were 32 or 16 weight rows, on mma.sync).
+FULL_WGMMA_TALL_CANDIDATES = [
+    (128, 64, 64, 4, 3), (128, 64, 128, 4, 3), (256, 64, 64, 4, 3), (256, 64, 64, 8, 3), (128, 128, 64, 8, 3),
+    (256, 128, 64, 8, 3), (256, 128, 32, 8, 4),
+]
 FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 
 
-def candidates_for(m: int, n: int, k: int, mode: str = "fp8") -> list[configs.GemmConfig]:
-    """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split."""
+def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = False) -> list[configs.GemmConfig]:
+    """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split
+    (``tall_only``: full mode's tall token tiles alone)."""
     out = []
     if mode == "full":
-        rows = FULL_CANDIDATES + (FULL_TALL_CANDIDATES if m > 32 else [])
+        tall = FULL_TALL_CANDIDATES + FULL_WGMMA_TALL_CANDIDATES if m > 32 else []
+        rows = tall if tall_only else FULL_CANDIDATES + tall
         tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True) for bm, bn, bk, w, s in rows]
     else:
         rows = CANDIDATES + DECODE_CANDIDATES if m <= 16 else CANDIDATES
@@ -102,7 +112,7 @@ def time_baselines(x, weights, mode: str) -> dict[str, float]:
     }
 
 
-def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str) -> None:
+def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_only: bool = False) -> None:
     weights = make_weights(n, k, copies_for(n * k * 2))
     platform = current_platform()
     for m in m_values:
@@ -110,7 +120,7 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str) -> No
         row = {"shape": name, "N": n, "K": k, "M": m, "mode": mode, "us": time_baselines(x, weights, mode),
                "table_config": asdict(configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)),
                "candidates": []}
-        for config in candidates_for(m, n, k, mode):
+        for config in candidates_for(m, n, k, mode, tall_only):
             try:
                 us = time_mode(x, weights, config, mode)
             except Exception as exc:  # out of shared memory, say: recorded, not timed
@@ -141,12 +151,13 @@ def main(argv=None) -> int:
     parser.add_argument("--m", nargs="+", type=int, default=None, help=f"rows (fp8: {M_DEFAULT}; full: "
                         f"{FULL_M_DEFAULT})")
     parser.add_argument("--mode", choices=("fp8", "full"), default="fp8")
+    parser.add_argument("--tall-only", action="store_true", help="full mode: the tall token tiles alone (M > 32)")
     args = parser.parse_args(argv)
     m_values = args.m or list(FULL_M_DEFAULT if args.mode == "full" else M_DEFAULT)
     rows: list[dict] = []
     for short in args.shapes:  # the file is rewritten after each shape, so a run cut by its time limit keeps them
         name = f"llama3.1-8b.{short}"
-        probe_shape(name, *SHAPES[name], m_values, rows, args.mode)
+        probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only)
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
     return 0
