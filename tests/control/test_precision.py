@@ -1,5 +1,6 @@
 """Pins the DPS precision policy: fast on shortage or occupancy above kappa_high, restore one layer at a time only
-below kappa_low with the layer's units FREE and spare free units, per-layer k = ceil(shortage_units/units_per_layer)."""
+below kappa_low with the layer's units FREE and spare free units, per-layer k = ceil(shortage_units/units_per_layer)
+where layers are alike, and the fewest lowest layers whose own units cover the shortage where they are not."""
 
 import pytest
 
@@ -9,9 +10,10 @@ from elastiserve.control.precision import (
     PrecisionPolicy,
     QueuePressure,
     group_prefixes,
-    layers_for_shortage,
+    layers_covering,
     layers_to_run_fast,
 )
+from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
@@ -23,12 +25,33 @@ def obs(free, total=1000, native=1000, evicted=(), restorable=(), free_units=0, 
                            restorable_layers=tuple(restorable), free_units=free_units, **kw)
 
 
-def test_layers_for_shortage_by_hand():
-    assert layers_for_shortage(0, 2, 10) == 0
-    assert layers_for_shortage(1, 2, 10) == 1  # 1 unit -> 1 layer
-    assert layers_for_shortage(20, 2, 10) == 1  # 10 units -> exactly one layer
-    assert layers_for_shortage(21, 2, 10) == 2  # 11 units -> two layers
-    assert layers_for_shortage(5, 2, 0) == 0
+def test_layers_covering_by_hand():
+    alike = [10] * 4
+    assert layers_covering(0, 2, alike) == 0
+    assert layers_covering(1, 2, alike) == 1  # 1 unit -> 1 layer
+    assert layers_covering(20, 2, alike) == 1  # 10 units -> exactly one layer
+    assert layers_covering(21, 2, alike) == 2  # 11 units -> two layers
+    assert layers_covering(500, 2, alike) == 4  # more than all of them: all
+    assert layers_covering(5, 2, [0, 0]) == 2
+    assert layers_covering(25, 2, [4, 9, 30]) == 2  # 13 units: 4 + 9
+    assert layers_covering(27, 2, [4, 9, 30]) == 3  # 14 units
+
+
+def test_uneven_layers_evict_free_and_restore_by_their_own_units():
+    """The last layer holds a nested lm_head's lower plane too (30 units against 10): a shortage its units cover
+    evicts it alone once it is the lowest resident, the freed blocks count its units, and its restore waits for 30
+    free units (plus the spare), where a typical layer's 10 would have passed."""
+    policy = PrecisionPolicy(PrecisionConfig(granularity="layer", restore_min_free_units=2))
+    uneven = dict(layer_units=(10, 10, 10, 30))
+    assert policy.plan_eviction(obs(free=500, **uneven), 61) == (0, 1, 2, 3)  # 31 units: 10 + 10 + 10 + 30
+    assert policy.plan_eviction(obs(free=500, evicted=(0, 1, 2), total=1060, **uneven), 41) == (3,)
+    assert policy.freed_blocks(obs(free=500, **uneven), (2, 3)) == (10 + 30) * 2
+    assert policy.freed_blocks(obs(free=500, evicted=(0,), total=1020, **uneven), ALL_LAYERS) == 50 * 2
+    base = dict(evicted=(3,), total=1060, restorable=(3,), **uneven)
+    assert policy.plan_restore(obs(free=900, free_units=31, **base), 0) == ()
+    assert policy.plan_restore(obs(free=900, free_units=32, **base), 0) == (3,)
+    with pytest.raises(ConfigError, match="layer_units"):
+        obs(free=500, layer_units=(10, 10))  # four residual layers
 
 
 def test_model_granularity_switches_on_shortage_or_high_occupancy():

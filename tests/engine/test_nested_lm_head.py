@@ -1,7 +1,8 @@
 """A nested ``lm_head`` (``EngineConfig.nest_lm_head``, ``--nest-lm-head``): its planes merge back to the fp16 weight
 bit for bit (a tied head gets planes of its own and leaves the embedding's table alone); it runs fast only with the
-last decoder layer and then reads its upper plane only; its lower plane is a device tensor of its own, so KV never
-overwrites it; and a dps engine switches it with the layers without recomputing anything."""
+last decoder layer and then reads its upper plane only; its lower plane is part of the last layer's residual, so a
+dps engine hands it to KV with that layer, restores it bit-exactly, and switches the head with the layers without
+recomputing anything."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_planes_merge_back_and_the_head_follows_the_last_layer(device, tied):
     assert not head.fast
 
 
-def test_a_dps_engine_switches_the_head_with_the_layers_and_kv_leaves_its_lower_plane_alone(device):
+def test_a_dps_engine_lends_the_heads_lower_plane_to_kv_with_the_last_layer_and_restores_it(device):
     block = 4 if device.type == "cpu" else 16
     block_bytes = LAYERS * 2 * 2 * block * 16 * 2
     options = dict(model="tiny", device=device.type, policy="dps", block_size=block, max_num_batched_tokens=16,
@@ -91,6 +92,11 @@ def test_a_dps_engine_switches_the_head_with_the_layers_and_kv_leaves_its_lower_
         head = engine.model.lm_head
         assert isinstance(head, NestedLinear) and head.is_nested
         lower_before = head.lower.clone()
+        from elastiserve.engine.nested_weights import layer_lower_planes
+
+        residuals = layer_lower_planes(engine.model)
+        assert residuals[LAYERS - 1][-1] is head and all(head not in residuals[i] for i in range(LAYERS - 1))
+        head_weight = tiny_model(device, False).lm_head.weight.detach()
         engine.add_request("r", SEQUENCES[0], params)
         seq = engine.scheduler.find("r")
         for _ in range(3):
@@ -100,13 +106,16 @@ def test_a_dps_engine_switches_the_head_with_the_layers_and_kv_leaves_its_lower_
         blocks = pool.allocate(pool.num_free(False), False)
         engine.runner.kv_cache[blocks] = torch.randn_like(engine.runner.kv_cache[blocks])
         pool.free(blocks)
-        assert torch.equal(head.lower, lower_before)
+        assert not torch.equal(head.lower, lower_before), "the head's residual units are dual-mapped into KV"
         for _ in range(400):
             engine.step()
             if not engine.runner.fast_layers:
                 break
             time.sleep(0.005)
         assert engine.runner.fast_layers == frozenset() and not head.fast
+        assert torch.equal(head.lower, lower_before)
+        merged = formats.merge(head.upper, head.lower, head.nesting, head.weight_exp)
+        assert torch.equal(merged.view(torch.int16), head_weight.view(torch.int16))
         while engine.has_unfinished():
             engine.step()
         assert seq.num_output_tokens == 12 and seq.metrics.preemptions == 0

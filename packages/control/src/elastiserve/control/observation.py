@@ -35,7 +35,10 @@ class StepObservation:
     blocks_per_unit: int = 1
     backed_units: int = 0
     residual_layers: int = 0
-    units_per_layer: int = 0
+    units_per_layer: int = 0  # a typical layer's residual units (the median): the arbiter's eviction granule
+    # Each residual layer's own units, by layer; () = every layer has ``units_per_layer``. Layers differ where some
+    # linears stay unnested, and the last one holds a nested lm_head's lower plane too (EngineConfig.nest_lm_head).
+    layer_units: tuple[int, ...] = ()
     fast_layers: frozenset[int] = frozenset()
     evicted_layers: frozenset[int] = frozenset()
     restorable_layers: tuple[int, ...] = ()
@@ -56,6 +59,9 @@ class StepObservation:
             raise ConfigError(f"inconsistent observation at step {self.step}: {self}")
         if self.blocks_per_unit < 1:
             raise ConfigError("blocks_per_unit must be >= 1")
+        if self.layer_units and (len(self.layer_units) != self.residual_layers or min(self.layer_units) < 0):
+            raise ConfigError(f"layer_units {self.layer_units} must give >= 0 units for each of the "
+                              f"{self.residual_layers} residual layers")
 
     @property
     def used_blocks(self) -> int:
@@ -81,6 +87,10 @@ class StepObservation:
     @property
     def blocks_per_layer(self) -> int:
         return self.units_per_layer * self.blocks_per_unit
+
+    def units_of(self, layer: int) -> int:
+        """Residual units of ``layer`` (``layer_units``, else every layer's ``units_per_layer``)."""
+        return self.layer_units[layer] if self.layer_units else self.units_per_layer
 
 
 @dataclass(frozen=True, slots=True)

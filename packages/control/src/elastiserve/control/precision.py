@@ -2,10 +2,11 @@
 
 The policy is stateless: the evicted layers, restorable layers and occupancy come in the observation, and changes
 apply between steps (batch-aligned). Whole-model granularity flips every layer to fast at once, the DPS design;
-per-layer granularity evicts only the k = ceil(shortage_units / units_per_layer) layers a shortage needs (at least
-``min_evict_layers``, rounded up to whole ``layer_groups``), lowest resident first. Restore goes one layer at a time,
-the last evicted first, only when occupancy < kappa_low, no shortage is pending, that layer's units are all FREE,
-and at least ``restore_min_free_units`` more units stay free afterwards.
+per-layer granularity evicts only the k lowest resident layers whose own units cover the shortage (k =
+ceil(shortage_units / units_per_layer) where layers are alike; at least ``min_evict_layers``, rounded up to whole
+``layer_groups``). Restore goes one layer at a time, the last evicted first, only when occupancy < kappa_low, no
+shortage is pending, that layer's units are all FREE, and at least ``restore_min_free_units`` more units than that
+layer's stay free.
 
 ``QueuePressure`` is the one stateful piece: the compute side of precision (``PrecisionConfig.queue_fast_s``).
 """
@@ -19,12 +20,18 @@ from elastiserve.control.config import PrecisionConfig
 from elastiserve.control.observation import ALL_LAYERS, StepObservation
 
 
-def layers_for_shortage(shortage_blocks: int, blocks_per_unit: int, units_per_layer: int) -> int:
-    """k = ceil(shortage_units / units_per_layer) with shortage_units = ceil(shortage_blocks / blocks_per_unit)."""
-    if shortage_blocks <= 0 or units_per_layer <= 0:
+def layers_covering(shortage_blocks: int, blocks_per_unit: int, units: list[int]) -> int:
+    """The fewest leading layers of ``units`` (residual units each, in eviction order) whose units cover the
+    shortage; all of them when none do (k = ceil(shortage_units / units) where every layer has the same units)."""
+    if shortage_blocks <= 0:
         return 0
     shortage_units = math.ceil(shortage_blocks / blocks_per_unit)
-    return math.ceil(shortage_units / units_per_layer)
+    covered = 0
+    for k, layer_units in enumerate(units, start=1):
+        covered += layer_units
+        if covered >= shortage_units:
+            return k
+    return len(units)
 
 
 class QueuePressure:
@@ -81,8 +88,8 @@ class PrecisionPolicy:
             return ()
         if self.config.granularity == "model":
             return ALL_LAYERS
-        k = max(self.config.min_evict_layers, layers_for_shortage(shortage_blocks, obs.blocks_per_unit,
-                                                                  obs.units_per_layer))
+        k = max(self.config.min_evict_layers, layers_covering(shortage_blocks, obs.blocks_per_unit,
+                                                              [obs.units_of(layer) for layer in resident]))
         # A group runs fast whole once one of its layers is stale (``layers_to_run_fast``): evicting the rest of
         # it frees their units at no further quality cost.
         groups = whole_groups(frozenset(resident[:k]), obs.residual_layers, self.config.layer_groups)
@@ -90,8 +97,8 @@ class PrecisionPolicy:
 
     def freed_blocks(self, obs: StepObservation, layers: tuple[int, ...] | Literal["all"]) -> int:
         """KV blocks the eviction adds (residual units of layers that are still resident)."""
-        count = len(self.resident_layers(obs)) if layers == ALL_LAYERS else len(layers)
-        return count * obs.blocks_per_layer
+        chosen = self.resident_layers(obs) if layers == ALL_LAYERS else layers
+        return sum(obs.units_of(layer) for layer in chosen) * obs.blocks_per_unit
 
     def is_calm(self, obs: StepObservation, shortage_blocks: int) -> bool:
         """Below the low threshold with nothing short: the condition whose duration the dwell measures."""
@@ -105,13 +112,12 @@ class PrecisionPolicy:
             return ()
         if not obs.evicted_layers or obs.occupancy >= self.config.kappa_low:
             return ()
-        if obs.free_units < obs.units_per_layer + self.config.restore_min_free_units:
-            return ()
         # Last evicted, first restored: eviction takes the lowest resident layers, so the fast set stays a prefix
         # of the layers and the engine meets at most num_layers + 1 mixes (each one its own decode graphs).
         for layer in sorted(obs.restorable_layers, reverse=True):
             if layer in obs.evicted_layers:
-                return (layer,)
+                enough = obs.free_units >= obs.units_of(layer) + self.config.restore_min_free_units
+                return (layer,) if enough else ()
         return ()
 
 

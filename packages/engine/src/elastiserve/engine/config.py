@@ -43,10 +43,10 @@ class EngineConfig:
     # has waited this long for its first token (control PrecisionConfig.queue_fast_s); None: memory alone decides.
     queue_fast_after_s: float | None = None
     # Nested policies: nest lm_head too, so that it reads its upper plane only while the last decoder layer runs fast
-    # (per-layer eviction reaches that layer last: every layer is fast by then). Its lower plane stays a device
-    # tensor of its own, outside the shared region. Off by default, as serving systems keep lm_head 16-bit under FP8
-    # (vLLM's GPTQ ``lm_head_quantized`` is opt-in too): its logits move in fast mode. A tied lm_head gets planes of
-    # its own, and the embedding keeps its fp16 table.
+    # (per-layer eviction reaches that layer last: every layer is fast by then). Its lower plane is part of the last
+    # layer's residual: evicted into KV and restored with it. Off by default, as serving systems keep lm_head 16-bit
+    # under FP8 (vLLM's GPTQ ``lm_head_quantized`` is opt-in too): its logits move in fast mode. A tied lm_head gets
+    # planes of its own, and the embedding keeps its fp16 table.
     nest_lm_head: bool = False
     # Reuse the KV of complete pairs whose tokens (and every token before them) match an earlier request's
     # (prefix_cache.py). While weight residuals are evicted, unused pairs are not retained (restore needs the units).

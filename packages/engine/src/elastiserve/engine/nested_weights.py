@@ -6,7 +6,8 @@ it for the whole tensor exactly as it does for a linear. The planes replace the 
 block's ``grouped_gemm`` hook sends them to the nested kernel. A tensor that cannot nest stays a 16-bit parameter.
 
 Nested experts are part of their decoder layer's residual: ``layer_lower_planes`` lists them with the layer's
-linears, so evicting the layer frees their lower bytes too and the restore brings them back.
+linears, so evicting the layer frees their lower bytes too and the restore brings them back. A nested ``lm_head``
+(``EngineConfig.nest_lm_head``) is part of the last layer's, whose mode it follows (``set_layer_modes``).
 """
 
 from __future__ import annotations
@@ -132,8 +133,7 @@ def nest_weights(model: nn.Module, lm_head: bool = False) -> NestingReport:
     The router (``gate``, hidden x num_experts: 0.1 % of a Qwen3-MoE layer's bytes) stays 16-bit, as serving systems
     keep it: an FP8 router would change which experts run in fast mode, not only how precisely they run. A nested
     ``lm_head`` (``EngineConfig.nest_lm_head``) is built from its weight's values, so a tied one leaves the embedding
-    its fp16 table; ``set_layer_modes`` runs it fast with the last decoder layer, and its lower plane is not part of
-    any layer's residual (``layer_lower_planes``).
+    its fp16 table; it runs fast with the last decoder layer, whose residual holds its lower plane.
     """
     report = nest_model(model, skip=("gate",) if lm_head else ("lm_head", "gate"))
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
@@ -157,10 +157,15 @@ def set_layer_modes(model: nn.Module, fast_layers: frozenset[int]) -> None:
 
 
 def layer_lower_planes(model: nn.Module) -> dict[int, list[Any]]:
-    """The nested modules of each decoder layer, in module order: their lower planes form the layer's residual."""
+    """The nested modules of each decoder layer, in module order: their lower planes form the layer's residual. A
+    nested ``lm_head`` comes last in the last layer's: it runs fast exactly when that layer does."""
     planes: dict[int, list[Any]] = {}
     for index, layer in enumerate(model.decoder_layers):
         mods = [m for m in layer.modules() if isinstance(m, NestedExperts | NestedLinear) and m.is_nested]
         if mods:
             planes[index] = mods
+    head = getattr(model, "lm_head", None)
+    last = len(model.decoder_layers) - 1
+    if isinstance(head, NestedLinear) and head.is_nested and last in planes:
+        planes[last].append(head)
     return planes

@@ -5,6 +5,7 @@ Both only read the scheduler, the KV manager and the runner's mode and unit book
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -39,7 +40,8 @@ def observe_step(step: int, kv: KVManager, scheduler: Scheduler, runner: Any, de
         blocks_per_unit=blocks_per_unit,
         backed_units=state.num_backed_units(),
         residual_layers=len(per_layer),
-        units_per_layer=max(per_layer.values(), default=0),
+        units_per_layer=statistics.median_low(per_layer.values()) if per_layer else 0,
+        layer_units=tuple(per_layer[layer] for layer in sorted(per_layer)),  # the last one holds a nested lm_head's
         fast_layers=runner.fast_layers,
         evicted_layers=state.fast_layers,
         restorable_layers=tuple(sorted(state.fast_layers)),
