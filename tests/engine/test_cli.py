@@ -94,6 +94,7 @@ def test_serve_flags_reach_engine_settings():
     )
     assert cli.engine_settings(args) == {
         "device": "cpu",
+        "dtype": "float16",
         "block_size": 32,
         "gpu_memory_utilization": 0.8,
         "gpu_memory_budget": 80 * 10**9,
@@ -120,6 +121,17 @@ def test_serve_flags_reach_engine_settings():
 
     config = EngineConfig(model=args.model, policy=args.policy, **cli.engine_settings(args))
     assert config.kv_cache_budget == 20 * 2**30 and config.policy == "combined"
+
+
+def test_vllm_dtype_spellings_map_to_fp16_and_other_types_are_refused_with_the_reason(capsys):
+    for spelling in ("auto", "half", "float16"):
+        args = cli.build_parser().parse_args(["serve", "m", "--dtype", spelling, "--kv-cache-dtype", "auto"])
+        assert cli.engine_settings(args)["dtype"] == "float16"
+    for flag, value, reason in (("--dtype", "bfloat16", "computes in float16"),
+                                ("--kv-cache-dtype", "fp8", "demotes pairs of blocks")):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["serve", "m", flag, value])
+        assert reason in capsys.readouterr().err
 
 
 def test_serve_rejects_unknown_policy(capsys):

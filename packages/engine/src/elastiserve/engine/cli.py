@@ -37,11 +37,35 @@ def parse_size(text: str) -> int:
     return int(float(number) * base ** _POWERS[prefix.lower()])
 
 
+# vLLM's --dtype spellings that mean what every policy computes in: fp16 (bf16 checkpoints are cast at load, exactly
+# where their values fit). Others are refused with the reason rather than silently served in another type.
+DTYPE_SPELLINGS = {"auto": "float16", "half": "float16", "float16": "float16"}
+KV_CACHE_DTYPES = ("auto", "fp16", "float16")
+
+
+def parse_dtype(text: str) -> str:
+    if text in DTYPE_SPELLINGS:
+        return DTYPE_SPELLINGS[text]
+    raise argparse.ArgumentTypeError(f"--dtype {text}: elastiserve computes in float16 ({', '.join(DTYPE_SPELLINGS)});"
+                                     " bf16 checkpoints are cast to fp16 at load")
+
+
+def parse_kv_cache_dtype(text: str) -> str:
+    if text in KV_CACHE_DTYPES:
+        return text
+    raise argparse.ArgumentTypeError(f"--kv-cache-dtype {text}: the KV cache is fp16 ({', '.join(KV_CACHE_DTYPES)}); "
+                                     "under pressure --policy elastickv or combined demotes pairs of blocks to their "
+                                     "high byte (E5M2) and promotes them back exactly")
+
+
 def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) -> None:
     if model_required:
         p.add_argument("model", help="model directory, 'smollm2', or a built-in config name with --load-format dummy")
     p.add_argument("--policy", default="static-fp16", choices=POLICIES)
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--dtype", type=parse_dtype, default="float16", help="auto, half or float16 (vLLM's spellings)")
+    p.add_argument("--kv-cache-dtype", type=parse_kv_cache_dtype, default="auto",
+                   help="auto or fp16: KV is fp16, demoted to E5M2 pairs only by the elastic policies")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--gpu-memory-budget", type=parse_size, default=None, help="absolute cap, e.g. 80GB")
@@ -80,7 +104,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
     p.add_argument("--cpu-kv-blocks", type=int, default=512, help="KV pool size in blocks on the CPU")
 
 
-ENGINE_FIELDS = ("device", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
+ENGINE_FIELDS = ("device", "dtype", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
                  "host_backing_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "tensor_parallel_size", "load_format", "enforce_eager", "graph_capture_after", "mixed_graphs",
                  "max_step_time_s", "queue_fast_after_s", "nest_lm_head", "enable_prefix_caching", "gc_in_step_shadow",
