@@ -11,6 +11,7 @@ EVENT_KINDS = (
     "demote",
     "promote_start",
     "promote_done",
+    "promote_failed",  # a promotion that could not start: its pairs stayed BASE
     "evict_residual",
     "restore_start",
     "restore_done",

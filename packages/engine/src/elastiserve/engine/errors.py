@@ -15,3 +15,13 @@ class EngineError(ElastiserveError, RuntimeError):
 
 class RequestAborted(ElastiserveError):
     """The request was aborted (client disconnect or explicit abort) before it finished."""
+
+
+class PromotionFailed(EngineError):
+    """Starting a pair promotion failed part way (no memory for the staging copy, a launch that raised): ``started``
+    are in flight as usual, ``failed`` never reached the device and go back to BASE (``KVManager.cancel_promote``)."""
+
+    def __init__(self, started: list, failed: list, cause: BaseException) -> None:
+        super().__init__(f"promotion of {len(failed)} pair(s) failed to start ({type(cause).__name__}: {cause}); "
+                         f"{len(started)} in flight")
+        self.started, self.failed, self.cause = started, failed, cause

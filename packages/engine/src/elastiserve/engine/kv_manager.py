@@ -349,6 +349,14 @@ class KVManager:
         self.pool.free([op.packed_block])
         self.num_promotions += 1
 
+    def cancel_promote(self, seq: Sequence, op: PromoteOp) -> None:
+        """A promotion that never reached the device: the pair stays BASE (its slot keeps the low bytes), the two
+        reserved blocks go back to the pool."""
+        if self._promotions.pop((seq.request_id, op.pair), None) is not op:
+            raise EngineError(f"promotion of pair {op.pair} of {seq.request_id} is not in flight")
+        seq.pair_states[op.pair] = PairState.BASE
+        self.pool.free([op.dst_a, op.dst_b])
+
     def promotions_in_flight(self) -> list[PromoteOp]:
         return list(self._promotions.values())
 

@@ -19,6 +19,7 @@ import torch
 
 from elastiserve.engine.attention_context import AttentionMetadata, PagedAttentionContext, kernel_ops
 from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.errors import PromotionFailed
 from elastiserve.engine.graphs import (
     GraphRunner,
     StepShape,
@@ -216,31 +217,38 @@ class ModelRunner:
         return self._staging_buffer
 
     def start_promote(self, ops: list[PromoteOp]) -> None:
-        """Copy low bytes back and unpack into the reserved blocks; ``poll_promotions`` reports completion."""
+        """Copy low bytes back and unpack into the reserved blocks; ``poll_promotions`` reports completion. A chunk
+        that fails to start raises ``PromotionFailed`` with the ops already in flight and those that are not."""
         for i in range(0, len(ops), TRANSFER_CHUNK_PAIRS):
-            chunk = ops[i : i + TRANSFER_CHUNK_PAIRS]
-            packed = torch.tensor([op.packed_block for op in chunk], dtype=torch.int64, device=self.device)
-            dst_a = torch.tensor([op.dst_a for op in chunk], dtype=torch.int64, device=self.device)
-            dst_b = torch.tensor([op.dst_b for op in chunk], dtype=torch.int64, device=self.device)
+            try:
+                self._start_promote_chunk(ops[i : i + TRANSFER_CHUNK_PAIRS])
+            except Exception as exc:  # any failure: the caller puts the rest back to BASE
+                raise PromotionFailed(ops[:i], ops[i:], exc) from exc
+
+    def _start_promote_chunk(self, chunk: list[PromoteOp]) -> None:
+        """One chunk's copy and unpack; its ops enter ``_inflight_promotions`` only once all of it is enqueued."""
+        packed = torch.tensor([op.packed_block for op in chunk], dtype=torch.int64, device=self.device)
+        dst_a = torch.tensor([op.dst_a for op in chunk], dtype=torch.int64, device=self.device)
+        dst_b = torch.tensor([op.dst_b for op in chunk], dtype=torch.int64, device=self.device)
+        if self._copy_stream is None:
             slots = torch.tensor([op.slot for op in chunk], dtype=torch.int64)
-            if self._copy_stream is None:
-                self.ops.kv_promote(self.kv_cache, packed, dst_a, dst_b, self.host_backing[slots].contiguous())
-                self._inflight_promotions.append((chunk, None))
-                continue
-            staging = torch.empty((len(chunk), 2 * self.block_elems), dtype=torch.uint8, device=self.device)
-            self._copy_stream.wait_stream(torch.cuda.current_stream())  # staging's memory may be in use until now
-            with torch.cuda.stream(self._copy_stream):
-                for row, op in enumerate(chunk):
-                    staging[row].copy_(self.host_backing[op.slot], non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-            # The unpack runs on the compute stream, so any later reuse of the packed block is ordered after it.
-            torch.cuda.current_stream().wait_event(copied)
-            staging.record_stream(torch.cuda.current_stream())
-            self.ops.kv_promote(self.kv_cache, packed, dst_a, dst_b, staging)
-            done = torch.cuda.Event()
-            done.record()
-            self._inflight_promotions.append((chunk, done))
+            self.ops.kv_promote(self.kv_cache, packed, dst_a, dst_b, self.host_backing[slots].contiguous())
+            self._inflight_promotions.append((chunk, None))
+            return
+        staging = torch.empty((len(chunk), 2 * self.block_elems), dtype=torch.uint8, device=self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream())  # staging's memory may be in use until now
+        with torch.cuda.stream(self._copy_stream):
+            for row, op in enumerate(chunk):
+                staging[row].copy_(self.host_backing[op.slot], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        # The unpack runs on the compute stream, so any later reuse of the packed block is ordered after it.
+        torch.cuda.current_stream().wait_event(copied)
+        staging.record_stream(torch.cuda.current_stream())
+        self.ops.kv_promote(self.kv_cache, packed, dst_a, dst_b, staging)
+        done = torch.cuda.Event()
+        done.record()
+        self._inflight_promotions.append((chunk, done))
 
     def poll_promotions(self) -> list[PromoteOp]:
         """Promotions whose copy + unpack completed (their blocks may now be published)."""

@@ -5,13 +5,17 @@ weight residuals, preempt, and choose the layers the next step runs in FP8. Plai
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
 from elastiserve.control.precision import layers_to_run_fast
 from elastiserve.engine.config import EngineConfig
+from elastiserve.engine.errors import PromotionFailed
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 class Transitions:
@@ -68,8 +72,17 @@ class Transitions:
             if op is None:
                 break
             ops.append(op)
-        if ops:
+        if not ops:
+            return 0
+        try:
             self.runner.start_promote(ops)
+        except PromotionFailed as failure:  # what did not start stays BASE; the pairs in flight finish as usual
+            for op in failure.failed:
+                self.kv.cancel_promote(self.scheduler.find(op.request_id), op)
+            log.warning("%s; those pairs stay BASE", failure)
+            self.events.add(time.monotonic(), step, "promote_failed", len(failure.failed), str(failure.cause))
+            ops = failure.started
+        if ops:
             self.events.add(time.monotonic(), step, "promote_start", len(ops), reason)
         return len(ops)
 

@@ -1,0 +1,90 @@
+"""A promotion that fails to start keeps BASE (``ModelRunner.start_promote`` -> ``PromotionFailed`` ->
+``KVManager.cancel_promote``): the chunks already enqueued finish as usual, the pairs of the chunk that raised and
+of every later one stay BASE with their host slots, their reserved blocks go back to the pool, the request decodes on,
+and a later promotion brings every pair back bit-exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scripted_policies import ScriptedPolicy
+from test_engine_e2e import block_size_for, make_engine, snapshot_pairs, tiny_llama  # noqa: F401 (fixture)
+
+from elastiserve.engine import runner as runner_module
+from elastiserve.engine.sampling import SamplingParams
+from elastiserve.engine.sequence import PairState
+
+pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
+
+
+def no_block_leaked(engine, seq) -> bool:
+    """Every block not free is the sequence's (a BASE pair's packed block is listed twice) or reserved by a
+    promotion in flight."""
+    owned = set(seq.block_table)
+    for op in engine.kv.promotions_in_flight():
+        owned |= {op.dst_a, op.dst_b}
+    return engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks - len(owned)
+
+
+def step_until_target(engine, seq) -> None:
+    for _ in range(50):  # published at a later step boundary, once the copy + unpack event has completed
+        if not engine.kv.promotions_in_flight():
+            return
+        engine.step()
+    assert not engine.kv.promotions_in_flight()
+
+
+def test_a_promotion_that_fails_to_start_keeps_base_and_loses_nothing(tiny_llama, device, monkeypatch):  # noqa: F811
+    policy = ScriptedPolicy()
+    engine = make_engine(tiny_llama, device, scripted=policy, policy="elastickv")
+    prompt = list(range(40, 40 + 9 * block_size_for(device)))  # 4 complete pairs and a half
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    seq = engine.scheduler.find("r")
+    while seq.in_prefill or seq.num_output_tokens < 2:
+        engine.step()
+    before = snapshot_pairs(engine, "r")
+    assert len(before) >= 2
+    policy.demote_next = True
+    engine.step()
+    assert [seq.pair_states[p] for p in before] == [PairState.BASE] * len(before)
+    assert no_block_leaked(engine, seq)
+
+    monkeypatch.setattr(runner_module, "TRANSFER_CHUNK_PAIRS", 1)  # a chunk per pair: the second one fails
+    real_promote, calls = engine.runner.ops.kv_promote, []
+
+    def promote_then_fail(*args):
+        calls.append(len(calls))
+        if len(calls) >= 2:
+            raise RuntimeError("out of memory for the staging copy")
+        return real_promote(*args)
+
+    monkeypatch.setattr(engine.runner.ops, "kv_promote", promote_then_fail)
+    policy.promote_next = True
+    engine.step()  # starts the promotion; the first pair is in flight, the rest fail to start
+    pairs = sorted(before)
+    assert seq.pair_states[pairs[0]] in (PairState.PROMOTING, PairState.TARGET)
+    assert [seq.pair_states[p] for p in pairs[1:]] == [PairState.BASE] * (len(pairs) - 1)
+    amounts = engine.events.amounts()
+    assert amounts["promote_failed"] == len(pairs) - 1 and amounts["promote_start"] == 1
+    failed = [e for e in engine.events.events if e.kind == "promote_failed"]
+    assert "out of memory" in failed[0].reason
+    step_until_target(engine, seq)
+    assert seq.pair_states[pairs[0]] is PairState.TARGET
+    assert no_block_leaked(engine, seq)  # the failed pairs' two reserved blocks each went back to the pool
+    engine.step()  # decoding goes on over the BASE pairs
+    assert no_block_leaked(engine, seq)
+
+    monkeypatch.setattr(engine.runner.ops, "kv_promote", real_promote)
+    policy.promote_next = True
+    engine.step()
+    step_until_target(engine, seq)
+    assert all(s is PairState.TARGET for s in seq.pair_states)
+    kv = engine.runner.kv_cache
+    for p, (a, b) in before.items():
+        assert torch.equal(kv[seq.block_table[2 * p]], a) and torch.equal(kv[seq.block_table[2 * p + 1]], b)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == 20
+    assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks and engine.kv.num_free_slots > 0
+    assert engine.stats()["promoting_pairs"] == 0
