@@ -105,8 +105,26 @@ def snapshot_pairs(engine, request_id):
             for p in engine.kv.demotable_pairs(seq)}  # fmt: skip
 
 
-@pytest.mark.cuda
-def test_demotion_then_promotion_is_bit_exact(tiny_llama, device):
+def promote_and_finish(engine, seq, before, max_tokens: int) -> None:
+    """Step until every pair of ``seq`` is TARGET (published at a later step boundary, once the copy + unpack event
+    has completed), check the promoted blocks against ``before`` bit for bit, then run the request to its end."""
+    for _ in range(50):
+        if all(s is PairState.TARGET for s in seq.pair_states):
+            break
+        engine.step()
+    assert all(s is PairState.TARGET for s in seq.pair_states)
+    kv = engine.runner.kv_cache
+    for p, (a, b) in before.items():
+        assert torch.equal(kv[seq.block_table[2 * p]], a) and torch.equal(kv[seq.block_table[2 * p + 1]], b)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == max_tokens
+
+
+def demoted_request(tiny_llama, device):
+    """An elastickv engine with a scripted policy, one request of 20 tokens whose complete pairs (at least two) were
+    demoted after its prefill and two decodes: (engine, policy, sequence, the pairs' fp16 blocks before)."""
     policy = ScriptedPolicy()
     engine = make_engine(tiny_llama, device, scripted=policy, policy="elastickv")
     prompt = list(range(40, 40 + 9 * block_size_for(device)))  # 4 complete pairs and a half
@@ -119,24 +137,19 @@ def test_demotion_then_promotion_is_bit_exact(tiny_llama, device):
     policy.demote_next = True
     engine.step()
     assert [seq.pair_states[p] for p in before] == [PairState.BASE] * len(before)
+    return engine, policy, seq, before
+
+
+@pytest.mark.cuda
+def test_demotion_then_promotion_is_bit_exact(tiny_llama, device):
+    engine, policy, seq, before = demoted_request(tiny_llama, device)
     assert engine.stats()["base_pairs"] == len(before)
     for _ in range(3):
         engine.step()
     assert engine.stats()["base_exposure"] > 0.0
     policy.promote_next = True
     engine.step()  # starts the promotion: blocks reserved, readers still see BASE
-    for _ in range(50):  # published at a later step boundary, once the copy + unpack event has completed
-        if all(s is PairState.TARGET for s in seq.pair_states):
-            break
-        engine.step()
-    assert all(s is PairState.TARGET for s in seq.pair_states)
-    kv = engine.runner.kv_cache
-    for p, (a, b) in before.items():
-        assert torch.equal(kv[seq.block_table[2 * p]], a) and torch.equal(kv[seq.block_table[2 * p + 1]], b)
-    outputs = []
-    while engine.has_unfinished():
-        outputs += engine.step()
-    assert outputs[-1].finished and outputs[-1].num_output_tokens == 20
+    promote_and_finish(engine, seq, before, 20)
     assert all(0 <= t < tiny_llama[0].vocab_size for t in seq.output_token_ids)
     counts = engine.events.counts()
     assert counts["demote"] == 1 and counts["promote_start"] == 1 and counts["promote_done"] == 1

@@ -6,12 +6,9 @@ and a later promotion brings every pair back bit-exactly."""
 from __future__ import annotations
 
 import pytest
-import torch
-from scripted_policies import ScriptedPolicy
-from test_engine_e2e import block_size_for, make_engine, snapshot_pairs, tiny_llama  # noqa: F401 (fixture)
+from test_engine_e2e import demoted_request, promote_and_finish, tiny_llama  # noqa: F401 (a fixture)
 
 from elastiserve.engine import runner as runner_module
-from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.sequence import PairState
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
@@ -35,18 +32,7 @@ def step_until_target(engine, seq) -> None:
 
 
 def test_a_promotion_that_fails_to_start_keeps_base_and_loses_nothing(tiny_llama, device, monkeypatch):  # noqa: F811
-    policy = ScriptedPolicy()
-    engine = make_engine(tiny_llama, device, scripted=policy, policy="elastickv")
-    prompt = list(range(40, 40 + 9 * block_size_for(device)))  # 4 complete pairs and a half
-    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-    seq = engine.scheduler.find("r")
-    while seq.in_prefill or seq.num_output_tokens < 2:
-        engine.step()
-    before = snapshot_pairs(engine, "r")
-    assert len(before) >= 2
-    policy.demote_next = True
-    engine.step()
-    assert [seq.pair_states[p] for p in before] == [PairState.BASE] * len(before)
+    engine, policy, seq, before = demoted_request(tiny_llama, device)
     assert no_block_leaked(engine, seq)
 
     monkeypatch.setattr(runner_module, "TRANSFER_CHUNK_PAIRS", 1)  # a chunk per pair: the second one fails
@@ -77,14 +63,6 @@ def test_a_promotion_that_fails_to_start_keeps_base_and_loses_nothing(tiny_llama
     monkeypatch.setattr(engine.runner.ops, "kv_promote", real_promote)
     policy.promote_next = True
     engine.step()
-    step_until_target(engine, seq)
-    assert all(s is PairState.TARGET for s in seq.pair_states)
-    kv = engine.runner.kv_cache
-    for p, (a, b) in before.items():
-        assert torch.equal(kv[seq.block_table[2 * p]], a) and torch.equal(kv[seq.block_table[2 * p + 1]], b)
-    outputs = []
-    while engine.has_unfinished():
-        outputs += engine.step()
-    assert outputs[-1].finished and outputs[-1].num_output_tokens == 20
+    promote_and_finish(engine, seq, before, 20)
     assert engine.kv.pool.num_free(False) == engine.kv.pool.num_blocks and engine.kv.num_free_slots > 0
     assert engine.stats()["promoting_pairs"] == 0
