@@ -122,9 +122,9 @@ def promote_and_finish(engine, seq, before, max_tokens: int) -> None:
     assert outputs[-1].finished and outputs[-1].num_output_tokens == max_tokens
 
 
-def demoted_request(tiny_llama, device):
-    """An elastickv engine with a scripted policy, one request of 20 tokens whose complete pairs (at least two) were
-    demoted after its prefill and two decodes: (engine, policy, sequence, the pairs' fp16 blocks before)."""
+def request_with_pairs(tiny_llama, device):
+    """An elastickv engine with a scripted policy and one request of 20 tokens after its prefill and two decodes,
+    with at least two demotable pairs: (engine, policy, sequence, those pairs' fp16 blocks)."""
     policy = ScriptedPolicy()
     engine = make_engine(tiny_llama, device, scripted=policy, policy="elastickv")
     prompt = list(range(40, 40 + 9 * block_size_for(device)))  # 4 complete pairs and a half
@@ -134,6 +134,12 @@ def demoted_request(tiny_llama, device):
         engine.step()
     before = snapshot_pairs(engine, "r")
     assert len(before) >= 2
+    return engine, policy, seq, before
+
+
+def demoted_request(tiny_llama, device):
+    """``request_with_pairs`` with those pairs demoted."""
+    engine, policy, seq, before = request_with_pairs(tiny_llama, device)
     policy.demote_next = True
     engine.step()
     assert [seq.pair_states[p] for p in before] == [PairState.BASE] * len(before)

@@ -9,6 +9,7 @@ from elastiserve.platforms import ConfigError
 
 EVENT_KINDS = (
     "demote",
+    "demote_failed",  # a demotion that could not start: its pairs stayed TARGET
     "promote_start",
     "promote_done",
     "promote_failed",  # a promotion that could not start: its pairs stayed BASE

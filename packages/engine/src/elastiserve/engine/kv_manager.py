@@ -15,62 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from elastiserve.engine.block_pool import BlockPool, FlatBlockPool, SumBlockPool
 from elastiserve.engine.errors import EngineError
+from elastiserve.engine.pair_ops import BaseRun, DemoteOp, PromoteOp
 from elastiserve.engine.prefix_cache import CachingBlockPool, PrefixCache, cached_run, hash_at
 from elastiserve.engine.sequence import PairState, Sequence
 
 if TYPE_CHECKING:
     from elastiserve.control.admission import BaseFloorBound
 
-__all__ = ["BlockPool", "FlatBlockPool", "KVManager", "SumBlockPool"]  # the pools moved to block_pool.py
-
-
-@dataclass(frozen=True, slots=True)
-class DemoteOp:
-    request_id: str
-    pair: int
-    block_a: int  # keeps the packed pair
-    block_b: int  # returns to the pool once the pack kernel is issued
-    slot: int  # host-backing slot receiving the low bytes of A and B
-
-
-@dataclass(frozen=True, slots=True)
-class PromoteOp:
-    request_id: str
-    pair: int
-    packed_block: int
-    dst_a: int
-    dst_b: int
-    slot: int
-
-
-@dataclass(slots=True)
-class BaseRun:
-    """A sequence's pairs that readers treat as BASE (BASE or PROMOTING): ``count`` of them, all inside
-    ``[first, end)`` with ``first`` and ``end - 1`` among them, so they are one run exactly when ``count`` fills it."""
-
-    first: int
-    end: int
-    count: int = 0
-
-    @property
-    def contiguous(self) -> bool:
-        return self.count == self.end - self.first
-
-    def add(self, pair: int) -> None:
-        self.first, self.end, self.count = min(self.first, pair), max(self.end, pair + 1), self.count + 1
-
-    def drop(self, pair: int, states: list[PairState]) -> None:
-        """``pair`` is TARGET again. Only an edge pair of a scattered set costs a walk (over the pairs between)."""
-        contiguous = self.contiguous
-        self.count -= 1
-        if contiguous:  # a middle pair leaves the bounds as they are; the run is then scattered
-            if pair == self.first:
-                self.first += 1
-            elif pair == self.end - 1:
-                self.end -= 1
-        elif pair in (self.first, self.end - 1):
-            base = [p for p in range(self.first, self.end) if states[p] is not PairState.TARGET]
-            self.first, self.end = base[0], base[-1] + 1
+# The pools moved to block_pool.py, the pair transitions' records to pair_ops.py.
+__all__ = ["BaseRun", "BlockPool", "DemoteOp", "FlatBlockPool", "KVManager", "PromoteOp", "SumBlockPool"]
 
 
 @dataclass(slots=True)
@@ -315,6 +268,19 @@ class KVManager:
         self._slots[(seq.request_id, pair)] = slot
         self.num_demotions += 1
         return DemoteOp(seq.request_id, pair, block_a, block_b, slot)
+
+    def cancel_demote(self, seq: Sequence, op: DemoteOp) -> None:
+        """A demotion that never reached the device: the pair is TARGET on its two blocks again, its slot free."""
+        if self._slots.pop((seq.request_id, op.pair), None) != op.slot:
+            raise EngineError(f"demotion of pair {op.pair} of {seq.request_id} is not pending")
+        seq.block_table[2 * op.pair + 1] = op.block_b
+        seq.pair_states[op.pair] = PairState.TARGET
+        run = self._base_runs[seq.request_id]
+        run.drop(op.pair, seq.pair_states)
+        if run.count == 0:
+            del self._base_runs[seq.request_id]
+        self._free_slots.appendleft(op.slot)
+        self.num_demotions -= 1
 
     def release_demoted(self, ops: Iterable[DemoteOp]) -> None:
         """Return the B blocks once the pack kernels are enqueued (later writes are stream-ordered after them)."""

@@ -19,7 +19,7 @@ import torch
 
 from elastiserve.engine.attention_context import AttentionMetadata, PagedAttentionContext, kernel_ops
 from elastiserve.engine.config import EngineConfig
-from elastiserve.engine.errors import PromotionFailed
+from elastiserve.engine.errors import DemotionFailed, EngineError, PromotionFailed
 from elastiserve.engine.graphs import (
     GraphRunner,
     StepShape,
@@ -27,9 +27,10 @@ from elastiserve.engine.graphs import (
     mixed_seq_buckets,
     mixed_token_buckets,
 )
-from elastiserve.engine.kv_manager import DemoteOp, KVManager, PromoteOp
+from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.kv_pool import create_kv_pool
 from elastiserve.engine.outputs import TokenLogprob
+from elastiserve.engine.pair_ops import DemoteOp, PromoteOp
 from elastiserve.engine.sampler import Sampler
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.scheduler import ScheduledBatch
@@ -185,30 +186,43 @@ class ModelRunner:
 
     # ---- pair transitions ------------------------------------------------------------------------------------
     def demote(self, ops: list[DemoteOp]) -> None:
-        """Pack pairs in place and move their low bytes to host slots (on a copy stream on a GPU)."""
+        """Pack pairs in place and move their low bytes to host slots (on a copy stream on a GPU). A chunk that fails
+        before its pack kernel is enqueued raises ``DemotionFailed`` (its blocks are untouched); a failure after it
+        has packed a block in place cannot be undone and raises ``EngineError``."""
         for i in range(0, len(ops), TRANSFER_CHUNK_PAIRS):
-            chunk = ops[i : i + TRANSFER_CHUNK_PAIRS]
-            a = torch.tensor([op.block_a for op in chunk], dtype=torch.int64, device=self.device)
-            b = torch.tensor([op.block_b for op in chunk], dtype=torch.int64, device=self.device)
+            packing = [False]
+            try:
+                self._demote_chunk(ops[i : i + TRANSFER_CHUNK_PAIRS], packing)
+            except Exception as exc:
+                if packing[0]:
+                    raise EngineError(f"demotion failed after packing blocks in place: {exc}") from exc
+                raise DemotionFailed(ops[:i], ops[i:], exc) from exc
+
+    def _demote_chunk(self, chunk: list[DemoteOp], packing: list[bool]) -> None:
+        """One chunk's pack and copy out; ``packing[0]`` turns true once the pack kernel is called."""
+        a = torch.tensor([op.block_a for op in chunk], dtype=torch.int64, device=self.device)
+        b = torch.tensor([op.block_b for op in chunk], dtype=torch.int64, device=self.device)
+        if self._copy_stream is None:
+            low = torch.empty((len(chunk), 2 * self.block_elems), dtype=torch.uint8)
             slots = torch.tensor([op.slot for op in chunk], dtype=torch.int64)
-            if self._copy_stream is None:
-                low = torch.empty((len(chunk), 2 * self.block_elems), dtype=torch.uint8)
-                self.ops.kv_demote(self.kv_cache, a, b, low)
-                self.host_backing[slots] = low
-                continue
-            staging = self._staging()[: len(chunk)]
-            if self._demote_copy_done is not None:
-                torch.cuda.current_stream().wait_event(self._demote_copy_done)  # staging is free again
-            self.ops.kv_demote(self.kv_cache, a, b, staging)
-            packed = torch.cuda.Event()
-            packed.record()
-            with torch.cuda.stream(self._copy_stream):
-                self._copy_stream.wait_event(packed)
-                for row, op in enumerate(chunk):
-                    self.host_backing[op.slot].copy_(staging[row], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            self._demote_copy_done = done
+            packing[0] = True
+            self.ops.kv_demote(self.kv_cache, a, b, low)
+            self.host_backing[slots] = low
+            return
+        staging = self._staging()[: len(chunk)]
+        if self._demote_copy_done is not None:
+            torch.cuda.current_stream().wait_event(self._demote_copy_done)  # staging is free again
+        packing[0] = True
+        self.ops.kv_demote(self.kv_cache, a, b, staging)
+        packed = torch.cuda.Event()
+        packed.record()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(packed)
+            for row, op in enumerate(chunk):
+                self.host_backing[op.slot].copy_(staging[row], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self._demote_copy_done = done
 
     def _staging(self) -> torch.Tensor:
         if not hasattr(self, "_staging_buffer"):

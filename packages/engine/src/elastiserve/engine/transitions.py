@@ -11,7 +11,7 @@ from typing import Any
 
 from elastiserve.control.precision import layers_to_run_fast
 from elastiserve.engine.config import EngineConfig
-from elastiserve.engine.errors import PromotionFailed
+from elastiserve.engine.errors import DemotionFailed, PromotionFailed
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.scheduler import Scheduler
 
@@ -58,8 +58,17 @@ class Transitions:
         streams = [self.kv.demotion_stream(s, self.seq_index[s.request_id]) for s in running]
         chosen = rank_demotable_streams(streams, min(num_pairs, self.kv.num_free_slots))
         ops = [self.kv.demote(by_id[info.seq_id], info.pair_index) for info in chosen]
-        if ops:
+        if not ops:
+            return 0
+        try:
             self.runner.demote(ops)
+        except DemotionFailed as failure:  # what did not start is TARGET again; the rest is demoted as usual
+            for op in reversed(failure.failed):  # slots back to the front in their order
+                self.kv.cancel_demote(self.scheduler.find(op.request_id), op)
+            log.warning("%s; those pairs stay TARGET", failure)
+            self.events.add(time.monotonic(), step, "demote_failed", len(failure.failed), str(failure.cause))
+            ops = failure.started
+        if ops:
             self.kv.release_demoted(ops)
             self.events.add(time.monotonic(), step, "demote", len(ops), reason)
         return len(ops)
