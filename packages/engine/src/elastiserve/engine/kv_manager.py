@@ -274,13 +274,16 @@ class KVManager:
         if self._slots.pop((seq.request_id, op.pair), None) != op.slot:
             raise EngineError(f"demotion of pair {op.pair} of {seq.request_id} is not pending")
         seq.block_table[2 * op.pair + 1] = op.block_b
-        seq.pair_states[op.pair] = PairState.TARGET
-        run = self._base_runs[seq.request_id]
-        run.drop(op.pair, seq.pair_states)
-        if run.count == 0:
-            del self._base_runs[seq.request_id]
+        self._back_to_target(seq, op.pair)
         self._free_slots.appendleft(op.slot)
         self.num_demotions -= 1
+
+    def _back_to_target(self, seq: Sequence, pair: int) -> None:
+        seq.pair_states[pair] = PairState.TARGET
+        run = self._base_runs[seq.request_id]
+        run.drop(pair, seq.pair_states)
+        if run.count == 0:
+            del self._base_runs[seq.request_id]
 
     def release_demoted(self, ops: Iterable[DemoteOp]) -> None:
         """Return the B blocks once the pack kernels are enqueued (later writes are stream-ordered after them)."""
@@ -306,11 +309,7 @@ class KVManager:
             raise EngineError(f"promotion of pair {op.pair} of {seq.request_id} is not in flight")
         seq.block_table[2 * op.pair] = op.dst_a
         seq.block_table[2 * op.pair + 1] = op.dst_b
-        seq.pair_states[op.pair] = PairState.TARGET
-        run = self._base_runs[seq.request_id]
-        run.drop(op.pair, seq.pair_states)
-        if run.count == 0:
-            del self._base_runs[seq.request_id]
+        self._back_to_target(seq, op.pair)
         self._free_slots.append(self._slots.pop(key))
         self.pool.free([op.packed_block])
         self.num_promotions += 1
