@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nested_gemm import SHAPES, copies_for, graph_time_us, make_weights
 
-from elastiserve.kernels import configs, fp8_activations, nested_gemm
+from elastiserve.kernels import configs, fp8_activations, fp8_gemm_tma, nested_gemm
 from elastiserve.kernels.formats import Nesting
 from elastiserve.platforms import current_platform
 
@@ -64,9 +64,10 @@ FULL_WGMMA_TALL_CANDIDATES = [
 FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 
 
-def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = False) -> list[configs.GemmConfig]:
+def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = False,
+                   tma: bool = False) -> list[configs.GemmConfig]:
     """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split
-    (``tall_only``: full mode's tall token tiles alone)."""
+    (``tall_only``: full mode's tall token tiles alone; ``tma``: fp8 tiles also fetched by TMA, where they fit)."""
     out = []
     if mode == "full":
         tall = FULL_TALL_CANDIDATES + FULL_WGMMA_TALL_CANDIDATES if m > 32 else []
@@ -80,11 +81,12 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = 
         too_tall = bm > (16 if m <= 16 else max(32, 2 * m))
         if too_tall or (m >= 1024 and bm < 64) or (mode == "full" and bm < 16 * -(-m // 64)):
             continue
-        out.append(config)
         n_tiles = -(-m // bm) * -(-n // bn)
         split = configs._split_for_occupancy(n_tiles, -(-k // config.block_k), current_platform().num_sms)
-        if split > 1:
-            out.append(replace(config, split_k=split))
+        variants = [config] + ([replace(config, split_k=split)] if split > 1 else [])
+        out += variants
+        if tma and mode == "fp8" and max(bm, bn, config.block_k) <= fp8_gemm_tma.TMA_MAX_BOX:
+            out += [replace(v, tma=True) for v in variants]
     return out
 
 
@@ -112,7 +114,8 @@ def time_baselines(x, weights, mode: str) -> dict[str, float]:
     }
 
 
-def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_only: bool = False) -> None:
+def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_only: bool = False,
+                tma: bool = False) -> None:
     weights = make_weights(n, k, copies_for(n * k * 2))
     platform = current_platform()
     for m in m_values:
@@ -120,7 +123,7 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_
         row = {"shape": name, "N": n, "K": k, "M": m, "mode": mode, "us": time_baselines(x, weights, mode),
                "table_config": asdict(configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)),
                "candidates": []}
-        for config in candidates_for(m, n, k, mode, tall_only):
+        for config in candidates_for(m, n, k, mode, tall_only, tma):
             try:
                 us = time_mode(x, weights, config, mode)
             except Exception as exc:  # out of shared memory, say: recorded, not timed
@@ -138,7 +141,15 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_
               f"table {us['table']:7.1f} ({us['torch_fp16'] / us['table']:.2f}x) "
               f"best {best['us']:7.1f} ({us['torch_fp16'] / best['us']:.2f}x) {cfg['block_m']}x{cfg['block_n']}x"
               f"{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']} swap{int(cfg['swap_ab'])} "
-              f"split{cfg['split_k']}", flush=True)
+              f"split{cfg['split_k']} tma{int(cfg['tma'])}", flush=True)
+        if tma:  # the best of each fetch side by side: what TMA changes at this shape and M
+            for fetch in ("pointer", "tma"):
+                same = [c for c in timed if c["config"]["tma"] == (fetch == "tma")]
+                row[f"best_{fetch}"] = min(same, key=lambda c: c["us"]) if same else None
+            pointer, by_tma = row["best_pointer"], row["best_tma"]
+            if pointer and by_tma:
+                print(f"{'':20s} M={m:5d} best pointer {pointer['us']:7.1f}  best tma {by_tma['us']:7.1f} "
+                      f"({pointer['us'] / by_tma['us']:.2f}x)", flush=True)
         out.append(row)
     del weights
     torch.cuda.empty_cache()
@@ -152,12 +163,13 @@ def main(argv=None) -> int:
                         f"{FULL_M_DEFAULT})")
     parser.add_argument("--mode", choices=("fp8", "full"), default="fp8")
     parser.add_argument("--tall-only", action="store_true", help="full mode: the tall token tiles alone (M > 32)")
+    parser.add_argument("--tma", action="store_true", help="fp8: each tile also fetched by TMA (fp8_gemm_tma)")
     args = parser.parse_args(argv)
     m_values = args.m or list(FULL_M_DEFAULT if args.mode == "full" else M_DEFAULT)
     rows: list[dict] = []
     for short in args.shapes:  # the file is rewritten after each shape, so a run cut by its time limit keeps them
         name = f"llama3.1-8b.{short}"
-        probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only)
+        probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only, args.tma)
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
     return 0

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from elastiserve.kernels import configs, formats
-from elastiserve.kernels.arrivals import arrival_counters, last_to_arrive
+from elastiserve.kernels.arrivals import arrival_counters
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import (
     QUANT_SHORT_K,
@@ -37,6 +37,8 @@ from elastiserve.kernels.fp8_activations import (
     quantize_per_token,
     quantize_per_token_ref,
 )
+from elastiserve.kernels.fp8_gemm_tma import fp8_gemm_tma
+from elastiserve.kernels.gemm_epilogue import store_gemm_tile
 from elastiserve.kernels.l2_prefetch import prefetch_plan, prefetch_rows_l2
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import full_via_merged_weight
@@ -154,29 +156,8 @@ def _nested_gemm_kernel(
 
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-    if MODE == 2:
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
-        acc = acc * (x_scale[:, None] * w_scale)
-    else:
-        acc = acc * w_scale  # 2^weight_exp: exact, and 1.0 for an unscaled layer
-    out_off = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_off, acc.to(tl.float16), mask=out_mask)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + out_off, acc, mask=out_mask)
-        if MERGE:  # noqa: SIM102 (a constexpr branch of its own: the atomic stays out of the unmerged compile)
-            if last_to_arrive(counters_ptr + pid, SPLIT_K):
-                # In split order, as _split_k_reduce_kernel adds them: the same fp32 sums, bit for bit.
-                total = tl.load(out_ptr + out_off, mask=out_mask, other=0.0)
-                for split in tl.static_range(1, SPLIT_K):
-                    total += tl.load(out_ptr + split * stride_os + out_off, mask=out_mask, other=0.0)
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                tl.store(final_ptr + out_off, total.to(tl.float16), mask=out_mask)
-                tl.store(counters_ptr + pid, 0)
+    store_gemm_tile(acc, x_scale_ptr, bias_ptr, out_ptr, final_ptr, counters_ptr, pid, pid_k, offs_m, offs_n, M, N,
+                    stride_os, stride_om, stride_on, w_scale, MODE == 2, HAS_BIAS, SPLIT_K, MERGE)
 
 
 @triton.jit
@@ -267,14 +248,19 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         config = configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)
     if mode == "fp8" and config.block_k < 32:
         raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
+    if config.tma and (mode != "fp8" or fnuz):
+        raise ConfigError(f"tma tiles run OCP fp8 mode only, not {mode!r} (fnuz={fnuz}): {config}")
     check_ptx_decode(config, platform)
     if mode == "fp8" and x_scale is None:
         x, x_scale = quantize_per_token(x, fnuz)
-    out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     split = config.split_k
+    merge = split > 1 and bool(SPLIT_K_MERGE.get(platform.arch, False))
+    if config.tma:
+        return fp8_gemm_tma(x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), bias,
+                            weight_scale(nesting, mode, fnuz, weight_exp), config, merge)
+    out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    merge = split > 1 and bool(SPLIT_K_MERGE.get(platform.arch, False))
     counters = arrival_counters("nested_gemm", x.device, tiles) if merge else out
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     # Prefetch where one row tile reads the weight once (decode sizes); larger M is bound by the MMAs.

@@ -1,0 +1,115 @@
+"""Fast mode's fp8 GEMM with its tiles fetched by the tensor memory accelerator (TMA) on sm90: ``y = (q * s_x) @
+(W_upper * s_w).T`` for fp8 rows ``q`` [M, K] with per-row scales ``s_x`` and the upper plane viewed as fp8 [N, K].
+
+The pointer kernel of ``nested_gemm`` fetches its tiles with ``cp.async`` and masks; here host-built tensor
+descriptors let each tile arrive as one bulk copy that signals an mbarrier, and the hardware fills the rows and
+columns past M, N and K with zeros, so the loop has no masks. At 16-256 rows the pointer kernel ran 1.2-1.5x slower
+than cuBLAS's own FP8 GEMM on the H200 (BENCHMARKS.md, kernels, session 16); whether TMA closes that is what
+``ci/gpu/fp8_tma_round.sh`` measures. No table row takes this kernel until then: a ``GemmConfig`` with ``tma=True``
+(the probe's candidates, an explicit config) does. The epilogue is the pointer kernel's (``gemm_epilogue``), so the
+two kernels store the same bits for the same accumulators, which sum the K tiles in the same order.
+
+Not a custom op of its own: ``nested_gemm.nested_gemm`` calls ``fp8_gemm_tma`` for a tma config, inside the
+``nested_linear`` ops. Its reference is theirs (``nested_linear_fp8_ref``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from elastiserve.kernels import configs
+from elastiserve.kernels.arrivals import arrival_counters
+from elastiserve.kernels.gemm_epilogue import store_gemm_tile
+from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
+from elastiserve.platforms import ConfigError, Vendor, current_platform
+from elastiserve.platforms.env import triton_interpret
+
+TMA_ARCHS = ("sm90",)  # bulk tensor copies: Hopper (sm90) and later; sm100 is not in the tables yet
+ALIGN = 16  # bytes: a TMA global address and every stride but the last must be multiples of 16
+TMA_MAX_BOX = 256  # elements a dimension of one bulk tensor copy's box
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    x_desc, w_desc, x_scale_ptr, bias_ptr, out_ptr, final_ptr, counters_ptr,
+    M, N, K, k_per_split, stride_os, stride_om, stride_on, w_scale,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n  # grouped ordering, as the pointer kernel: GROUP_M row tiles sweep N together
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    k_start = pid_k * k_per_split
+    k_end = min(k_start + k_per_split, K)
+    wait_for_prior_grid(PDL)
+
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        w = w_desc.load([pid_n * BLOCK_N, kk])  # [BLOCK_N, BLOCK_K]; past N or K: zeros
+        x = x_desc.load([pid_m * BLOCK_M, kk])  # [BLOCK_M, BLOCK_K]
+        if SWAP_AB:
+            acc = tl.dot(w, x.T, acc)
+        else:
+            acc = tl.dot(x, w.T, acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    store_gemm_tile(acc, x_scale_ptr, bias_ptr, out_ptr, final_ptr, counters_ptr, pid, pid_k, offs_m, offs_n, M, N,
+                    stride_os, stride_om, stride_on, w_scale, True, HAS_BIAS, SPLIT_K, MERGE)
+
+
+def check_tma(q: torch.Tensor, w8: torch.Tensor, config: configs.GemmConfig) -> None:
+    """A tma config that cannot run here raises (never a silent fallback to the pointer kernel)."""
+    if max(config.block_m, config.block_n, config.block_k) > TMA_MAX_BOX:
+        raise ConfigError(f"tma tiles take at most {TMA_MAX_BOX} rows or columns a dimension, got {config}")
+    platform = current_platform()
+    if not triton_interpret() and (platform.vendor is not Vendor.NVIDIA or platform.arch not in TMA_ARCHS):
+        raise ConfigError(f"tma needs an NVIDIA GPU with bulk tensor copies {TMA_ARCHS} (or the interpreter); "
+                          f"platform is {platform.arch}")
+    for name, t in (("fp8 rows", q), ("upper plane", w8)):
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % ALIGN or t.data_ptr() % ALIGN:
+            raise ConfigError(f"tma needs the {name} 16-byte aligned with unit stride along K, got strides "
+                              f"{tuple(t.stride())} at {t.data_ptr() % ALIGN} bytes past alignment")
+
+
+def fp8_gemm_tma(q: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, bias: torch.Tensor | None, w_scale: float,
+                 config: configs.GemmConfig, merge: bool) -> torch.Tensor:
+    """``q`` fp8 [M, K] rows and their fp32 scales [M]; ``w8`` the upper plane as its fp8 dtype [N, K] -> fp16 [M, N].
+    ``merge``: split-K partials summed by the tile's last split (else by ``nested_gemm.reduce_split_k``)."""
+    check_tma(q, w8, config)
+    m, k = q.shape
+    n = w8.shape[0]
+    split = config.split_k
+    out = torch.empty((m, n), dtype=torch.float16, device=q.device)
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=q.device)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    counters = arrival_counters("nested_gemm", q.device, tiles) if merge else out
+    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
+    x_desc = TensorDescriptor.from_tensor(q, [config.block_m, config.block_k])
+    w_desc = TensorDescriptor.from_tensor(w8, [config.block_n, config.block_k])
+    _fp8_gemm_tma_kernel[(tiles, split)](
+        x_desc, w_desc, x_scale, bias if bias is not None else out, target, out, counters,
+        m, n, k, k_per_split, target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1), w_scale,
+        HAS_BIAS=bias is not None, SPLIT_K=split, SWAP_AB=config.swap_ab, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_STAGES=config.num_stages,
+        MERGE=merge, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
+    )
+    if split > 1 and not merge:
+        from elastiserve.kernels.nested_gemm import reduce_split_k  # deferred: nested_gemm imports this module
+
+        reduce_split_k(target, bias, out)
+    return out

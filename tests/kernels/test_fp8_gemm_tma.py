@@ -1,0 +1,136 @@
+"""Fast mode's fp8 GEMM with TMA tiles (``fp8_gemm_tma``, a ``GemmConfig`` with ``tma=True``): the same bits as the
+pointer kernel at the same tile (both sum the same K tiles in the same order and share the epilogue), rows, columns
+and K that no tile divides (the descriptors fill zeros), swap-AB or not, split-K merged or reduced, a bias, both
+nestings, a prescaled layer; close to the pure-torch reference; inside a CUDA graph; compiled for sm90 it fetches by
+``cp.async.bulk.tensor`` and multiplies by wgmma. What cannot run raises ``ConfigError``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastiserve.kernels import formats, nested_gemm
+from elastiserve.kernels.configs import GemmConfig
+from elastiserve.kernels.fp8_activations import quantize_per_token
+from elastiserve.platforms import ConfigError
+
+TILES = [GemmConfig(16, 32, 32), GemmConfig(32, 16, 64, swap_ab=False), GemmConfig(16, 32, 32, split_k=2)]
+GPU_TILES = [GemmConfig(16, 64, 128, num_stages=4), GemmConfig(64, 128, 128, num_stages=4, swap_ab=False),
+             GemmConfig(16, 128, 128, num_stages=4, split_k=4), GemmConfig(128, 256, 128, num_warps=8, swap_ab=False)]
+
+
+def layer(device, n, k, seed, outlier=None):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * 0.3).half()
+    if outlier is not None:
+        w[w.abs() < 2.0**-10] = 0.0  # so a 2^-2 prescale stays exact
+        w[1, 2] = outlier
+    nesting, exp, _ = formats.choose_nesting(w)
+    upper, lower = formats.split(w, nesting, exp)
+    return upper.to(device), lower.to(device), nesting, exp
+
+
+def both_kernels(x, upper, lower, bias, nesting, exp, config):
+    q, scale = quantize_per_token(x)
+    run = lambda cfg: nested_gemm.nested_gemm(q, upper, lower, bias, nesting, "fp8", weight_exp=exp, config=cfg,  # noqa: E731
+                                              x_scale=scale)
+    return run(config), run(replace(config, tma=True)), (q, scale)
+
+
+def shapes_and_tiles(device):
+    if device.type == "cpu":  # the interpreter: small and odd
+        return [((5, 48, 96), TILES), ((33, 80, 160), TILES)]
+    return [((m, 6144, 4096), GPU_TILES) for m in (16, 100, 256)] + [((64, 4096, 14336), GPU_TILES)]
+
+
+@pytest.mark.parametrize("outlier", [None, 5.0, -40.0])  # E4M3, E4M3 prescaled by 2^-2, E5M2
+@pytest.mark.cpu
+@pytest.mark.cuda
+def test_tma_tiles_give_the_pointer_kernels_bits(device, outlier):
+    for (m, n, k), tiles in shapes_and_tiles(device):
+        upper, lower, nesting, exp = layer(device, n, k, m + n, outlier)
+        assert (nesting, exp) == {None: (1, 0), 5.0: (1, 2), -40.0: (2, 0)}[outlier]
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(m, k, generator=gen).half().to(device)
+        bias = torch.randn(n, generator=gen).half().to(device)
+        for config in tiles:
+            pointer, tma, (q, scale) = both_kernels(x, upper, lower, bias, nesting, exp, config)
+            assert torch.equal(tma.view(torch.int16), pointer.view(torch.int16)), (m, n, k, config)
+            ref = nested_gemm.nested_linear_fp8_ref(q, scale, upper, lower, bias, int(nesting), weight_exp=exp)
+            torch.testing.assert_close(tma.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.cuda
+def test_tma_tiles_replay_in_a_cuda_graph(device):
+    upper, lower, nesting, _ = layer(device, 6144, 4096, 1)
+    x = torch.randn(32, 4096, device=device).half()
+    config = replace(GPU_TILES[0], tma=True)
+    q, scale = quantize_per_token(x)
+    call = lambda: nested_gemm.nested_gemm(q, upper, lower, None, nesting, "fp8", config=config, x_scale=scale)  # noqa: E731
+    expected = call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    q.copy_(quantize_per_token(x * 2)[0])  # new rows in the captured buffers
+    scale.copy_(quantize_per_token(x * 2)[1])
+    graph.replay()
+    assert torch.equal(out, call()) and not torch.equal(out, expected)
+
+
+@pytest.mark.cpu
+@pytest.mark.cuda
+def test_what_tma_cannot_run_raises(device):
+    upper, lower, nesting, _ = layer(device, 48, 96, 3)
+    x = torch.randn(5, 96).half().to(device)
+    q, scale = quantize_per_token(x)
+    with pytest.raises(ConfigError, match="OCP fp8 mode only"):
+        nested_gemm.nested_gemm(x, upper, lower, None, nesting, "weight_only", config=GemmConfig(16, 32, 32, tma=True))
+    with pytest.raises(ConfigError, match="at most 256"):
+        nested_gemm.nested_gemm(q, upper, lower, None, nesting, "fp8", config=GemmConfig(16, 32, 512, tma=True),
+                                x_scale=scale)
+    odd_upper, odd_lower, odd_nesting, _ = layer(device, 48, 40, 4)  # 40-byte rows: not 16-byte strides
+    odd_q, odd_scale = quantize_per_token(torch.randn(5, 40).half().to(device))
+    with pytest.raises(ConfigError, match="16-byte aligned"):
+        nested_gemm.nested_gemm(odd_q, odd_upper, odd_lower, None, odd_nesting, "fp8",
+                                config=GemmConfig(16, 32, 32, tma=True), x_scale=odd_scale)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        GemmConfig(16, 32, 32, tma=True, ptx_decode=True)
+
+
+COMPILE_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "compile_report.py"
+_TMA_PTX = """
+import importlib.util, json, re, sys
+spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+from elastiserve.kernels import fp8_gemm_tma
+fn = fp8_gemm_tma._fp8_gemm_tma_kernel
+types = {n: "i32" for n in fn.arg_names}
+types.update({"x_desc": "tensordesc<fp8e4nv[16, 128]>", "w_desc": "tensordesc<fp8e4nv[64, 128]>",
+              "x_scale_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16", "final_ptr": "*fp16",
+              "counters_ptr": "*i32", "w_scale": "fp32"})
+const = {"stride_on": 1, "HAS_BIAS": True, "SPLIT_K": 1, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64,
+         "BLOCK_K": 128, "GROUP_M": 8, "NUM_STAGES": 4}
+ptx = report.compile_kernel(fn, types, const, 4, 4, 90, aligned_ints=("N", "K", "k_per_split", "stride_om")).asm["ptx"]
+count = lambda pattern: len(re.findall(pattern, ptx))
+print(json.dumps({"bulk": count(r"cp\\.async\\.bulk\\.tensor"), "wgmma": count(r"wgmma\\.mma_async"),
+                  "cp_async": count(r"cp\\.async\\.(ca|cg)"), "spills": report.ptxas_usage(ptx, 90)[1]}))
+"""
+
+
+@pytest.mark.cpu
+def test_compiled_for_sm90_it_fetches_by_tma_and_multiplies_by_wgmma():
+    """On the CPU, Triton's own ptxas (no GPU): bulk tensor copies, no cp.async, async wgmma, no spills."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _TMA_PTX, str(COMPILE_REPORT)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["bulk"] > 0 and found["wgmma"] > 0 and found["cp_async"] == 0 and found["spills"] == 0, found
