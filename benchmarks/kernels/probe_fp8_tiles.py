@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nested_gemm import SHAPES, copies_for, graph_time_us, make_weights
 
-from elastiserve.kernels import configs, fp8_activations, fp8_gemm_tma, nested_gemm
+from elastiserve.kernels import configs, fp8_activations, gemm_tma, nested_gemm
 from elastiserve.kernels.formats import Nesting
 from elastiserve.platforms import current_platform
 
@@ -67,7 +67,7 @@ FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = False,
                    tma: bool = False) -> list[configs.GemmConfig]:
     """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split
-    (``tall_only``: full mode's tall token tiles alone; ``tma``: fp8 tiles also fetched by TMA, where they fit)."""
+    (``tall_only``: full mode's tall token tiles alone; ``tma``: each tile also fetched by TMA, where it fits)."""
     out = []
     if mode == "full":
         tall = FULL_TALL_CANDIDATES + FULL_WGMMA_TALL_CANDIDATES if m > 32 else []
@@ -85,7 +85,7 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = 
         split = configs._split_for_occupancy(n_tiles, -(-k // config.block_k), current_platform().num_sms)
         variants = [config] + ([replace(config, split_k=split)] if split > 1 else [])
         out += variants
-        if tma and mode == "fp8" and max(bm, bn, config.block_k) <= fp8_gemm_tma.TMA_MAX_BOX:
+        if tma and max(bm, bn, config.block_k) <= gemm_tma.TMA_MAX_BOX:
             out += [replace(v, tma=True) for v in variants]
     return out
 
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                         f"{FULL_M_DEFAULT})")
     parser.add_argument("--mode", choices=("fp8", "full"), default="fp8")
     parser.add_argument("--tall-only", action="store_true", help="full mode: the tall token tiles alone (M > 32)")
-    parser.add_argument("--tma", action="store_true", help="fp8: each tile also fetched by TMA (fp8_gemm_tma)")
+    parser.add_argument("--tma", action="store_true", help="each tile also fetched by TMA (gemm_tma)")
     args = parser.parse_args(argv)
     m_values = args.m or list(FULL_M_DEFAULT if args.mode == "full" else M_DEFAULT)
     rows: list[dict] = []

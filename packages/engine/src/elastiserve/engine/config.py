@@ -45,8 +45,9 @@ class EngineConfig:
     # Nested policies: nest lm_head too, so that it reads its upper plane only while the last decoder layer runs fast
     # (per-layer eviction reaches that layer last: every layer is fast by then). Its lower plane is part of the last
     # layer's residual: evicted into KV and restored with it. Off by default, as serving systems keep lm_head 16-bit
-    # under FP8 (vLLM's GPTQ ``lm_head_quantized`` is opt-in too): its logits move in fast mode. A tied lm_head gets
-    # planes of its own, and the embedding keeps its fp16 table.
+    # under FP8 (vLLM's GPTQ ``lm_head_quantized`` is opt-in too): its logits move in fast mode, and in full mode from
+    # 65 rows (batches of 65+) it runs full mode's merge-then-cuBLAS path (a 1 GB scratch for Llama-8B's head). A tied
+    # lm_head gets planes of its own, and the embedding keeps its fp16 table.
     nest_lm_head: bool = False
     # Reuse the KV of complete pairs whose tokens (and every token before them) match an earlier request's
     # (prefix_cache.py). While weight residuals are evicted, unused pairs are not retained (restore needs the units).

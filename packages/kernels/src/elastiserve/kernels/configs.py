@@ -43,15 +43,12 @@ class GemmConfig:
     # grouped tiles take 246-255 registers offline (8 warps per SM); a cap buys resident warps for spills
     # (BENCHMARKS.md, offline compile report). Only probe candidates set it until the H200 has timed them.
     max_registers: int | None = None
-    # fp8 mode only: tiles fetched by TMA from tensor descriptors (``fp8_gemm_tma``), sm90. No table row sets it until
-    # the H200 has timed it against the pointer kernel (ci/gpu/fp8_tma_round.sh); probe candidates and explicit
-    # configs do.
+    # fp8 and full mode: tiles fetched by TMA from tensor descriptors (``gemm_tma``), sm90. No table row sets it
+    # until the H200 has timed it against the pointer kernel (ci/gpu/fp8_tma_round.sh, full_tall_wgmma_round.sh);
+    # probe candidates and explicit configs do.
     tma: bool = False
 
     def __post_init__(self) -> None:
-        if self.tma and self.ptx_decode:
-            raise ConfigError(f"GemmConfig: tma (fp8 tiles) and ptx_decode (full / weight-only) exclude each other: "
-                              f"{self}")
         if self.max_registers is not None and not 24 <= self.max_registers <= 255:
             raise ConfigError(f"GemmConfig.max_registers={self.max_registers}: expected 24-255 or None")
         for name in ("block_m", "block_n", "block_k", "num_warps"):

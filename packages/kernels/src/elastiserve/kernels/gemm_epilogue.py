@@ -1,4 +1,4 @@
-"""The output side of the dense GEMM kernels (``nested_gemm``'s pointer kernel and ``fp8_gemm_tma``'s descriptor
+"""The output side of the dense GEMM kernels (``nested_gemm``'s pointer kernel and ``gemm_tma``'s descriptor
 kernel): the fp32 accumulator scaled, then stored as fp16 with the bias, or as this split's fp32 partial, which the
 split that arrives last sums in split order (``arrivals.py``) into the fp16 output. One helper, so the two kernels'
 outputs are the same bits for the same accumulators.

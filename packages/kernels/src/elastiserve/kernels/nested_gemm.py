@@ -37,8 +37,8 @@ from elastiserve.kernels.fp8_activations import (
     quantize_per_token,
     quantize_per_token_ref,
 )
-from elastiserve.kernels.fp8_gemm_tma import fp8_gemm_tma
 from elastiserve.kernels.gemm_epilogue import store_gemm_tile
+from elastiserve.kernels.gemm_tma import TMA_MODES, gemm_tma
 from elastiserve.kernels.l2_prefetch import prefetch_plan, prefetch_rows_l2
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import full_via_merged_weight
@@ -248,16 +248,16 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         config = configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)
     if mode == "fp8" and config.block_k < 32:
         raise ConfigError(f"fp8 tl.dot needs BLOCK_K >= 32, got {config}")
-    if config.tma and (mode != "fp8" or fnuz):
-        raise ConfigError(f"tma tiles run OCP fp8 mode only, not {mode!r} (fnuz={fnuz}): {config}")
+    if config.tma and (mode not in TMA_MODES or fnuz):
+        raise ConfigError(f"tma tiles run full and OCP fp8 mode, not {mode!r} (fnuz={fnuz}): {config}")
     check_ptx_decode(config, platform)
     if mode == "fp8" and x_scale is None:
         x, x_scale = quantize_per_token(x, fnuz)
     split = config.split_k
     merge = split > 1 and bool(SPLIT_K_MERGE.get(platform.arch, False))
     if config.tma:
-        return fp8_gemm_tma(x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), bias,
-                            weight_scale(nesting, mode, fnuz, weight_exp), config, merge)
+        return gemm_tma(x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower if mode == "full" else None,
+                        bias, nesting, mode, weight_scale(nesting, mode, fnuz, weight_exp), config, merge)
     out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)

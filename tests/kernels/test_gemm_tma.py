@@ -1,8 +1,8 @@
-"""Fast mode's fp8 GEMM with TMA tiles (``fp8_gemm_tma``, a ``GemmConfig`` with ``tma=True``): the same bits as the
-pointer kernel at the same tile (both sum the same K tiles in the same order and share the epilogue), rows, columns
-and K that no tile divides (the descriptors fill zeros), swap-AB or not, split-K merged or reduced, a bias, both
-nestings, a prescaled layer; close to the pure-torch reference; inside a CUDA graph; compiled for sm90 it fetches by
-``cp.async.bulk.tensor`` and multiplies by wgmma. What cannot run raises ``ConfigError``."""
+"""The nested GEMM with TMA tiles (``gemm_tma``, a ``GemmConfig`` with ``tma=True``), fast mode's fp8 rows and full
+mode: the same bits as the pointer kernel at the same tile (both sum the same K tiles in the same order and share the
+epilogue), rows, columns and K that no tile divides (the descriptors fill zeros), swap-AB or not, split-K merged or
+reduced, a bias, both nestings, a prescaled layer; close to the pure-torch reference; inside a CUDA graph; compiled
+for sm90 it fetches by ``cp.async.bulk.tensor`` and multiplies by wgmma. What cannot run raises ``ConfigError``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ from elastiserve.platforms import ConfigError
 TILES = [GemmConfig(16, 32, 32), GemmConfig(32, 16, 64, swap_ab=False), GemmConfig(16, 32, 32, split_k=2)]
 GPU_TILES = [GemmConfig(16, 64, 128, num_stages=4), GemmConfig(64, 128, 128, num_stages=4, swap_ab=False),
              GemmConfig(16, 128, 128, num_stages=4, split_k=4), GemmConfig(128, 256, 128, num_warps=8, swap_ab=False)]
+# Full mode on the GPU: the sm90 decode tile, it split, a 128-row token tile on 64 weight rows and on 128 (register-A
+# wgmma, the tall tiles of ci/gpu/full_tall_wgmma_round.sh).
+GPU_FULL_TILES = [GemmConfig(16, 32, 256, num_stages=4, ptx_decode=True),
+                  GemmConfig(16, 32, 256, num_stages=4, ptx_decode=True, split_k=4),
+                  GemmConfig(128, 64, 64, ptx_decode=True), GemmConfig(128, 128, 64, num_warps=8, ptx_decode=True)]
 
 
 def layer(device, n, k, seed, outlier=None):
@@ -37,33 +42,38 @@ def layer(device, n, k, seed, outlier=None):
     return upper.to(device), lower.to(device), nesting, exp
 
 
-def both_kernels(x, upper, lower, bias, nesting, exp, config):
-    q, scale = quantize_per_token(x)
-    run = lambda cfg: nested_gemm.nested_gemm(q, upper, lower, bias, nesting, "fp8", weight_exp=exp, config=cfg,  # noqa: E731
+def both_kernels(x, upper, lower, bias, nesting, exp, config, mode="fp8"):
+    q, scale = quantize_per_token(x) if mode == "fp8" else (x, None)
+    run = lambda cfg: nested_gemm.nested_gemm(q, upper, lower, bias, nesting, mode, weight_exp=exp, config=cfg,  # noqa: E731
                                               x_scale=scale)
     return run(config), run(replace(config, tma=True)), (q, scale)
 
 
-def shapes_and_tiles(device):
+def shapes_and_tiles(device, mode):
     if device.type == "cpu":  # the interpreter: small and odd
         return [((5, 48, 96), TILES), ((33, 80, 160), TILES)]
-    return [((m, 6144, 4096), GPU_TILES) for m in (16, 100, 256)] + [((64, 4096, 14336), GPU_TILES)]
+    tiles = GPU_TILES if mode == "fp8" else GPU_FULL_TILES
+    return [((m, 6144, 4096), tiles) for m in (16, 100, 256)] + [((64, 4096, 14336), tiles)]
 
 
+@pytest.mark.parametrize("mode", ["fp8", "full"])
 @pytest.mark.parametrize("outlier", [None, 5.0, -40.0])  # E4M3, E4M3 prescaled by 2^-2, E5M2
 @pytest.mark.cpu
 @pytest.mark.cuda
-def test_tma_tiles_give_the_pointer_kernels_bits(device, outlier):
-    for (m, n, k), tiles in shapes_and_tiles(device):
+def test_tma_tiles_give_the_pointer_kernels_bits(device, outlier, mode):
+    for (m, n, k), tiles in shapes_and_tiles(device, mode):
         upper, lower, nesting, exp = layer(device, n, k, m + n, outlier)
         assert (nesting, exp) == {None: (1, 0), 5.0: (1, 2), -40.0: (2, 0)}[outlier]
         gen = torch.Generator().manual_seed(k)
         x = torch.randn(m, k, generator=gen).half().to(device)
         bias = torch.randn(n, generator=gen).half().to(device)
         for config in tiles:
-            pointer, tma, (q, scale) = both_kernels(x, upper, lower, bias, nesting, exp, config)
+            pointer, tma, (q, scale) = both_kernels(x, upper, lower, bias, nesting, exp, config, mode)
             assert torch.equal(tma.view(torch.int16), pointer.view(torch.int16)), (m, n, k, config)
-            ref = nested_gemm.nested_linear_fp8_ref(q, scale, upper, lower, bias, int(nesting), weight_exp=exp)
+            if mode == "fp8":
+                ref = nested_gemm.nested_linear_fp8_ref(q, scale, upper, lower, bias, int(nesting), weight_exp=exp)
+            else:  # the exact weight: fp16 GEMM tolerance
+                ref = nested_gemm.nested_linear_ref(x, upper, lower, bias, int(nesting), "full", weight_exp=exp)
             torch.testing.assert_close(tma.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
@@ -90,7 +100,7 @@ def test_what_tma_cannot_run_raises(device):
     upper, lower, nesting, _ = layer(device, 48, 96, 3)
     x = torch.randn(5, 96).half().to(device)
     q, scale = quantize_per_token(x)
-    with pytest.raises(ConfigError, match="OCP fp8 mode only"):
+    with pytest.raises(ConfigError, match="full and OCP fp8 mode"):
         nested_gemm.nested_gemm(x, upper, lower, None, nesting, "weight_only", config=GemmConfig(16, 32, 32, tma=True))
     with pytest.raises(ConfigError, match="at most 256"):
         nested_gemm.nested_gemm(q, upper, lower, None, nesting, "fp8", config=GemmConfig(16, 32, 512, tma=True),
@@ -100,8 +110,6 @@ def test_what_tma_cannot_run_raises(device):
     with pytest.raises(ConfigError, match="16-byte aligned"):
         nested_gemm.nested_gemm(odd_q, odd_upper, odd_lower, None, odd_nesting, "fp8",
                                 config=GemmConfig(16, 32, 32, tma=True), x_scale=odd_scale)
-    with pytest.raises(ConfigError, match="exclude each other"):
-        GemmConfig(16, 32, 32, tma=True, ptx_decode=True)
 
 
 COMPILE_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "compile_report.py"
@@ -110,14 +118,15 @@ import importlib.util, json, re, sys
 spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
-from elastiserve.kernels import fp8_gemm_tma
-fn = fp8_gemm_tma._fp8_gemm_tma_kernel
+from elastiserve.kernels import gemm_tma
+fn = gemm_tma._gemm_tma_kernel
 types = {n: "i32" for n in fn.arg_names}
 types.update({"x_desc": "tensordesc<fp8e4nv[16, 128]>", "w_desc": "tensordesc<fp8e4nv[64, 128]>",
+              "lower_desc": "tensordesc<fp8e4nv[64, 128]>",
               "x_scale_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16", "final_ptr": "*fp16",
               "counters_ptr": "*i32", "w_scale": "fp32"})
-const = {"stride_on": 1, "HAS_BIAS": True, "SPLIT_K": 1, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64,
-         "BLOCK_K": 128, "GROUP_M": 8, "NUM_STAGES": 4}
+const = {"stride_on": 1, "MODE": 2, "NESTING": 1, "PTX_DECODE": False, "HAS_BIAS": True, "SPLIT_K": 1,
+         "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "NUM_STAGES": 4}
 ptx = report.compile_kernel(fn, types, const, 4, 4, 90, aligned_ints=("N", "K", "k_per_split", "stride_om")).asm["ptx"]
 count = lambda pattern: len(re.findall(pattern, ptx))
 print(json.dumps({"bulk": count(r"cp\\.async\\.bulk\\.tensor"), "wgmma": count(r"wgmma\\.mma_async"),
