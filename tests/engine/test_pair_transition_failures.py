@@ -3,7 +3,8 @@
 of every later one stay BASE with their host slots, their reserved blocks go back to the pool, the request decodes on,
 and a later promotion brings every pair back bit-exactly. A demotion that fails before its pack kernel is enqueued
 (``DemotionFailed`` -> ``KVManager.cancel_demote``) leaves those pairs TARGET on their own blocks, bytes untouched;
-one that fails after packing a block in place cannot be undone and is an ``EngineError``."""
+one that fails after packing a block in place cannot be undone and is an ``EngineError``, as is one that fails on
+rank 0 under tensor parallelism (the other ranks packed every pair already)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,25 @@ def test_a_demotion_that_fails_after_packing_is_an_engine_error(tiny_llama, devi
     policy.demote_next = True
     with pytest.raises(EngineError, match="after packing blocks in place"):
         engine.step()
+
+
+@pytest.mark.cpu
+def test_under_tensor_parallelism_a_demotion_failed_on_rank_0_is_an_error(monkeypatch):
+    """The other ranks replay the broadcast demotion in full before rank 0 fails part way: rank 0 cannot take its
+    pairs back without the ranks' KV diverging, so the failure is a ``TPError``, not a rollback."""
+    from types import SimpleNamespace
+
+    from elastiserve.engine import tp
+    from elastiserve.engine.errors import DemotionFailed
+
+    sent = []
+    monkeypatch.setattr(tp, "_broadcast", lambda group, plan: sent.append(plan.method))
+
+    def demote(ops):
+        raise DemotionFailed(ops[:1], ops[1:], RuntimeError("out of memory"))
+
+    pool = SimpleNamespace(block_pool=SimpleNamespace(num_blocks=8, state=None))
+    runner = tp.TPRunner(SimpleNamespace(pool=pool, demote=demote), group=None)
+    with pytest.raises(tp.TPError, match="after every other rank started it"):
+        runner.demote(["a", "b"])
+    assert sent == ["demote"]

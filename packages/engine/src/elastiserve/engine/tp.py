@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastiserve.engine.errors import EngineError
+from elastiserve.engine.errors import DemotionFailed, EngineError
 from elastiserve.engine.step_inputs import forward_inputs
 from elastiserve.engine.tp_sharding import shard_model
 from elastiserve.platforms import ConfigError
@@ -169,7 +169,10 @@ class TPRunner:
 
         def call(*args: Any) -> Any:
             _broadcast(self.group, Plan(name, args, self.recording.take_log()))
-            return attr(*args)
+            try:
+                return attr(*args)
+            except DemotionFailed as exc:  # the other ranks packed every pair already: rank 0 cannot take any back
+                raise TPError(f"demotion failed on rank 0 after every other rank started it: {exc}") from exc
 
         return call
 
