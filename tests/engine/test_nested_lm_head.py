@@ -124,3 +124,25 @@ def test_a_dps_engine_lends_the_heads_lower_plane_to_kv_with_the_last_layer_and_
     finally:
         engine.close()
         reference.close()
+
+
+def test_the_control_plane_sees_the_last_layers_residual_grown_by_the_head(device):
+    """A head of 8,192 x 64 (512 KiB of lower plane; 65,536 x 64 on a GPU, whose units are 2 MiB) makes the last
+    layer's residual span more VMM units than the others' (the CPU's units are 64 KiB): ``observe_step`` hands each
+    layer's own units to the policies."""
+    from elastiserve.engine.observe import observe_step
+
+    config = tiny_llama_config()
+    config.vocab_size = 8192 if device.type == "cpu" else 65536
+    block = 4 if device.type == "cpu" else 16
+    options = dict(model="tiny", device=device.type, policy="dps", block_size=block, max_num_batched_tokens=16,
+                   max_num_seqs=4, kv_cache_budget=96 * LAYERS * 2 * 2 * block * 16 * 2, nest_lm_head=True)
+    engine = LLMEngine(EngineConfig(**options), model=random_fp16_model(config, device=device.type, scale=0.15),
+                       eos_token_ids=())
+    try:
+        obs = observe_step(0, engine.kv, engine.scheduler, engine.runner, None)
+        first, *_, last = obs.layer_units
+        assert len(obs.layer_units) == LAYERS and last > first == obs.units_per_layer
+        assert obs.units_of(LAYERS - 1) == last
+    finally:
+        engine.close()
