@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from elastiserve.engine.bench.results import git_commit
-from elastiserve.engine.config import SWITCHING_POLICIES, EngineConfig
+from elastiserve.engine.config import NESTED_POLICIES, SWITCHING_POLICIES, EngineConfig
 from elastiserve.engine.llm_engine import LLMEngine
 from elastiserve.engine.runner import ModelRunner, StepInputs
 from elastiserve.engine.sampling import SamplingParams
@@ -46,7 +46,7 @@ def build_engine(args: argparse.Namespace, policy: str, *, max_num_seqs: int, kv
     """``queue_fast_after_s`` applies to the policies that switch precision (dps, combined) and is dropped for the
     others; ``args.nest_lm_head`` (where the script has it) to the nested-weight policies."""
     queue_fast = queue_fast_after_s if policy in SWITCHING_POLICIES else None
-    nest_lm_head = bool(getattr(args, "nest_lm_head", False)) and policy in ("static-fp8", *SWITCHING_POLICIES)
+    nest_lm_head = bool(getattr(args, "nest_lm_head", False)) and policy in NESTED_POLICIES
     config = EngineConfig(model=args.model_dir, policy=policy, device=args.device, load_format="dummy",
                           max_num_seqs=max_num_seqs, max_model_len=args.max_model_len, kv_cache_budget=kv_bytes,
                           cpu_kv_blocks=args.cpu_kv_blocks, seed=args.seed, queue_fast_after_s=queue_fast,

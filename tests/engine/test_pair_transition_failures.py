@@ -77,15 +77,15 @@ def test_a_demotion_that_fails_to_start_leaves_the_rest_target_and_untouched(tin
     engine, policy, seq, before = request_with_pairs(tiny_llama, device)
     slots = engine.kv.num_free_slots
     monkeypatch.setattr(runner_module, "TRANSFER_CHUNK_PAIRS", 1)  # a chunk per pair: the second one fails
-    real_chunk, calls = engine.runner._demote_chunk, []
+    real_inputs, calls = engine.runner._demote_inputs, []
 
-    def fail_second_chunk(chunk, packing):
+    def fail_second_chunk(chunk):
         calls.append(len(chunk))
         if len(calls) >= 2:
             raise RuntimeError("out of memory for the block indices")
-        return real_chunk(chunk, packing)
+        return real_inputs(chunk)
 
-    monkeypatch.setattr(engine.runner, "_demote_chunk", fail_second_chunk)
+    monkeypatch.setattr(engine.runner, "_demote_inputs", fail_second_chunk)
     policy.demote_next = True
     engine.step()
     pairs = sorted(before)
@@ -100,7 +100,7 @@ def test_a_demotion_that_fails_to_start_leaves_the_rest_target_and_untouched(tin
     assert engine.kv.num_free_slots == slots - 1 and engine.stats()["base_pairs"] == 1
     assert no_block_leaked(engine, seq)
 
-    monkeypatch.setattr(engine.runner, "_demote_chunk", real_chunk)
+    monkeypatch.setattr(engine.runner, "_demote_inputs", real_inputs)
     engine.step()
     policy.promote_next = True
     engine.step()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from elastiserve.platforms import ConfigError
 
 POLICIES = ("static-fp16", "static-fp8", "dps", "elastickv", "combined")
+NESTED_POLICIES = ("static-fp8", "dps", "combined")  # weights held as nested planes
 SWITCHING_POLICIES = ("dps", "combined")  # nested weights whose precision changes at run time
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
@@ -91,14 +92,13 @@ class EngineConfig:
             raise ConfigError(f"queue_fast_after_s needs a policy that can switch precision {SWITCHING_POLICIES}, "
                               f"not {self.policy!r}")
         if self.nest_lm_head and not self.uses_nested_weights:
-            raise ConfigError(f"nest_lm_head needs a policy with nested weights (static-fp8, dps, combined), "
-                              f"not {self.policy!r}")
+            raise ConfigError(f"nest_lm_head needs a policy with nested weights {NESTED_POLICIES}, not {self.policy!r}")
         if self.max_model_len is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be positive")
 
     @property
     def uses_nested_weights(self) -> bool:
-        return self.policy in ("static-fp8", "dps", "combined")
+        return self.policy in NESTED_POLICIES
 
     @property
     def uses_kv_demotion(self) -> bool:

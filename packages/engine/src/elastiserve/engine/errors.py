@@ -17,21 +17,25 @@ class RequestAborted(ElastiserveError):
     """The request was aborted (client disconnect or explicit abort) before it finished."""
 
 
-class DemotionFailed(EngineError):
-    """A chunk of pairs failed to start demoting, before its pack kernel was enqueued: ``started`` are demoted as
-    usual, ``failed`` never reached the device and go back to TARGET (``KVManager.cancel_demote``)."""
+class PairTransferFailed(EngineError):
+    """Starting a chunk of pair transfers failed before it reached the device (no memory for its indices or staging
+    copy, a launch that raised): ``started`` went ahead as usual, ``failed`` did not and go back to their state."""
+
+    ACTION, DONE = "transfer", "started"
 
     def __init__(self, started: list, failed: list, cause: BaseException) -> None:
-        super().__init__(f"demotion of {len(failed)} pair(s) failed to start ({type(cause).__name__}: {cause}); "
-                         f"{len(started)} demoted")
+        super().__init__(f"{self.ACTION} of {len(failed)} pair(s) failed to start ({type(cause).__name__}: {cause}); "
+                         f"{len(started)} {self.DONE}")
         self.started, self.failed, self.cause = started, failed, cause
 
 
-class PromotionFailed(EngineError):
-    """Starting a pair promotion failed part way (no memory for the staging copy, a launch that raised): ``started``
-    are in flight as usual, ``failed`` never reached the device and go back to BASE (``KVManager.cancel_promote``)."""
+class DemotionFailed(PairTransferFailed):
+    """The failed pairs go back to TARGET (``KVManager.cancel_demote``): their pack kernel never ran."""
 
-    def __init__(self, started: list, failed: list, cause: BaseException) -> None:
-        super().__init__(f"promotion of {len(failed)} pair(s) failed to start ({type(cause).__name__}: {cause}); "
-                         f"{len(started)} in flight")
-        self.started, self.failed, self.cause = started, failed, cause
+    ACTION, DONE = "demotion", "demoted"
+
+
+class PromotionFailed(PairTransferFailed):
+    """The failed pairs stay BASE (``KVManager.cancel_promote``); the started ones are in flight."""
+
+    ACTION, DONE = "promotion", "in flight"

@@ -22,8 +22,7 @@ from elastiserve.engine.sequence import PairState, Sequence
 if TYPE_CHECKING:
     from elastiserve.control.admission import BaseFloorBound
 
-# The pools moved to block_pool.py, the pair transitions' records to pair_ops.py.
-__all__ = ["BaseRun", "BlockPool", "DemoteOp", "FlatBlockPool", "KVManager", "PromoteOp", "SumBlockPool"]
+__all__ = ["BlockPool", "FlatBlockPool", "KVManager", "SumBlockPool"]  # the pools moved to block_pool.py
 
 
 @dataclass(slots=True)

@@ -187,39 +187,40 @@ class ModelRunner:
     # ---- pair transitions ------------------------------------------------------------------------------------
     def demote(self, ops: list[DemoteOp]) -> None:
         """Pack pairs in place and move their low bytes to host slots (on a copy stream on a GPU). A chunk that fails
-        before its pack kernel is enqueued raises ``DemotionFailed`` (its blocks are untouched); a failure after it
-        has packed a block in place cannot be undone and raises ``EngineError``."""
+        before its pack kernel is called raises ``DemotionFailed`` (its blocks are untouched); a failure after that
+        may have packed blocks in place, cannot be undone, and raises ``EngineError``."""
         for i in range(0, len(ops), TRANSFER_CHUNK_PAIRS):
-            packing = [False]
+            chunk = ops[i : i + TRANSFER_CHUNK_PAIRS]
             try:
-                self._demote_chunk(ops[i : i + TRANSFER_CHUNK_PAIRS], packing)
-            except Exception as exc:
-                if packing[0]:
-                    raise EngineError(f"demotion failed after packing blocks in place: {exc}") from exc
+                inputs = self._demote_inputs(chunk)
+            except Exception as exc:  # nothing written yet: the caller puts the rest back to TARGET
                 raise DemotionFailed(ops[:i], ops[i:], exc) from exc
+            try:
+                self._pack_and_copy_out(chunk, *inputs)
+            except Exception as exc:
+                raise EngineError(f"demotion failed after packing blocks in place: {exc}") from exc
 
-    def _demote_chunk(self, chunk: list[DemoteOp], packing: list[bool]) -> None:
-        """One chunk's pack and copy out; ``packing[0]`` turns true once the pack kernel is called."""
+    def _demote_inputs(self, chunk: list[DemoteOp]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk's A and B block indices and the buffer its low bytes go to (free to write once this returns)."""
         a = torch.tensor([op.block_a for op in chunk], dtype=torch.int64, device=self.device)
         b = torch.tensor([op.block_b for op in chunk], dtype=torch.int64, device=self.device)
         if self._copy_stream is None:
-            low = torch.empty((len(chunk), 2 * self.block_elems), dtype=torch.uint8)
-            slots = torch.tensor([op.slot for op in chunk], dtype=torch.int64)
-            packing[0] = True
-            self.ops.kv_demote(self.kv_cache, a, b, low)
-            self.host_backing[slots] = low
-            return
-        staging = self._staging()[: len(chunk)]
+            return a, b, torch.empty((len(chunk), 2 * self.block_elems), dtype=torch.uint8)
         if self._demote_copy_done is not None:
             torch.cuda.current_stream().wait_event(self._demote_copy_done)  # staging is free again
-        packing[0] = True
-        self.ops.kv_demote(self.kv_cache, a, b, staging)
+        return a, b, self._staging()[: len(chunk)]
+
+    def _pack_and_copy_out(self, chunk: list[DemoteOp], a: torch.Tensor, b: torch.Tensor, low: torch.Tensor) -> None:
+        self.ops.kv_demote(self.kv_cache, a, b, low)
+        if self._copy_stream is None:
+            self.host_backing[torch.tensor([op.slot for op in chunk], dtype=torch.int64)] = low
+            return
         packed = torch.cuda.Event()
         packed.record()
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(packed)
             for row, op in enumerate(chunk):
-                self.host_backing[op.slot].copy_(staging[row], non_blocking=True)
+                self.host_backing[op.slot].copy_(low[row], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         self._demote_copy_done = done

@@ -12,8 +12,9 @@ then: a ``GemmConfig`` with ``tma=True`` (the probes' candidates, an explicit co
 pointer kernel's (``gemm_epilogue``), so the two kernels store the same bits for the same accumulators, which sum the
 K tiles in the same order.
 
-Not a custom op of its own: ``nested_gemm.nested_gemm`` calls ``gemm_tma`` for a tma config, inside the
-``nested_linear`` ops. Its references are theirs (``nested_linear_ref``, ``nested_linear_fp8_ref``).
+Not a custom op of its own: ``nested_gemm.nested_gemm`` prepares the outputs as for the pointer kernel and calls
+``launch_gemm_tma`` for a tma config, inside the ``nested_linear`` ops. Its references are theirs
+(``nested_linear_ref``, ``nested_linear_fp8_ref``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from elastiserve.kernels import configs
-from elastiserve.kernels.arrivals import arrival_counters
 from elastiserve.kernels.gemm_epilogue import store_gemm_tile
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.weight_decode import decode_weight_tile, decode_weight_tile_ptx
@@ -98,24 +98,18 @@ def check_tma(tensors: dict[str, torch.Tensor], config: configs.GemmConfig) -> N
                               f"{tuple(t.stride())} at {t.data_ptr() % ALIGN} bytes past alignment")
 
 
-def gemm_tma(x: torch.Tensor, x_scale: torch.Tensor | None, upper: torch.Tensor, lower: torch.Tensor | None,
-             bias: torch.Tensor | None, nesting: int, mode: str, w_scale: float, config: configs.GemmConfig,
-             merge: bool) -> torch.Tensor:
+def launch_gemm_tma(x: torch.Tensor, x_scale: torch.Tensor | None, upper: torch.Tensor, lower: torch.Tensor | None,
+                    bias: torch.Tensor | None, nesting: int, mode: str, w_scale: float, config: configs.GemmConfig,
+                    target: torch.Tensor, out: torch.Tensor, counters: torch.Tensor, k_per_split: int, tiles: int,
+                    merge: bool) -> None:
     """fp8: ``x`` fp8 [M, K] rows, ``x_scale`` their fp32 scales [M], ``upper`` the plane viewed as its fp8 dtype;
-    full: ``x`` fp16 [M, K], both uint8 planes. -> fp16 [M, N]. ``merge``: split-K partials summed by the tile's last
-    split (else by ``nested_gemm.reduce_split_k``)."""
-    if mode not in TMA_MODES:
-        raise ConfigError(f"tma tiles run fp8 and full mode, not {mode!r}")
+    full: ``x`` fp16 [M, K], both uint8 planes. Writes ``target`` (``out``, or the fp32 split-K partials that the
+    caller reduces unless ``merge``) as ``nested_gemm`` prepared it for the pointer kernel."""
     planes = {"rows": x, "upper plane": upper} | ({"lower plane": lower} if mode == "full" else {})
     check_tma(planes, config)
     m, k = x.shape
     n = upper.shape[0]
     split = config.split_k
-    out = torch.empty((m, n), dtype=torch.float16, device=x.device)
-    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    counters = arrival_counters("nested_gemm", x.device, tiles) if merge else out
-    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(upper, [config.block_n, config.block_k])
     lower_desc = TensorDescriptor.from_tensor(lower, [config.block_n, config.block_k]) if mode == "full" else w_desc
@@ -128,8 +122,3 @@ def gemm_tma(x: torch.Tensor, x_scale: torch.Tensor | None, upper: torch.Tensor,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_STAGES=config.num_stages,
         MERGE=merge, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
     )
-    if split > 1 and not merge:
-        from elastiserve.kernels.nested_gemm import reduce_split_k  # deferred: nested_gemm imports this module
-
-        reduce_split_k(target, bias, out)
-    return out

@@ -38,7 +38,7 @@ from elastiserve.kernels.fp8_activations import (
     quantize_per_token_ref,
 )
 from elastiserve.kernels.gemm_epilogue import store_gemm_tile
-from elastiserve.kernels.gemm_tma import TMA_MODES, gemm_tma
+from elastiserve.kernels.gemm_tma import TMA_MODES, launch_gemm_tma
 from elastiserve.kernels.l2_prefetch import prefetch_plan, prefetch_rows_l2
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import full_via_merged_weight
@@ -254,33 +254,35 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
     if mode == "fp8" and x_scale is None:
         x, x_scale = quantize_per_token(x, fnuz)
     split = config.split_k
-    merge = split > 1 and bool(SPLIT_K_MERGE.get(platform.arch, False))
-    if config.tma:
-        return gemm_tma(x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower if mode == "full" else None,
-                        bias, nesting, mode, weight_scale(nesting, mode, fnuz, weight_exp), config, merge)
     out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    merge = split > 1 and bool(SPLIT_K_MERGE.get(platform.arch, False))
     counters = arrival_counters("nested_gemm", x.device, tiles) if merge else out
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
-    # Prefetch where one row tile reads the weight once (decode sizes); larger M is bound by the MMAs.
-    prefetch = prefetch_plan(upper, mode, config.block_n, tiles * split, k_per_split, split, config.num_warps,
-                             lower=lower) if m <= config.block_m else {}
-    _nested_gemm_kernel[(tiles, split)](
-        x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only
-        upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
-        bias if bias is not None else x, target, out, counters,
-        m, n, k, k_per_split,
-        x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
-        target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        weight_scale(nesting, mode, fnuz, weight_exp),
-        MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, HAS_BIAS=bias is not None,
-        SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
-        PTX_DECODE=config.ptx_decode,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, MERGE=merge,
-        num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config), **pdl_options(),
-        **prefetch,
-    )
+    if config.tma:
+        launch_gemm_tma(x, x_scale, upper_for_kernel(upper, nesting, mode, fnuz), lower if mode == "full" else None,
+                        bias, nesting, mode, weight_scale(nesting, mode, fnuz, weight_exp), config,
+                        target, out, counters, k_per_split, tiles, merge)
+    else:
+        # Prefetch where one row tile reads the weight once (decode sizes); larger M is bound by the MMAs.
+        prefetch = prefetch_plan(upper, mode, config.block_n, tiles * split, k_per_split, split, config.num_warps,
+                                 lower=lower) if m <= config.block_m else {}
+        _nested_gemm_kernel[(tiles, split)](
+            x, x if x_scale is None else x_scale,  # the scale pointer is read in fp8 mode only
+            upper_for_kernel(upper, nesting, mode, fnuz), lower_for_kernel(upper, lower, mode),
+            bias if bias is not None else x, target, out, counters,
+            m, n, k, k_per_split,
+            x.stride(0), x.stride(1), upper.stride(0), upper.stride(1), lower.stride(0), lower.stride(1),
+            target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
+            weight_scale(nesting, mode, fnuz, weight_exp),
+            MODE=MODE_IDS[mode], NESTING=int(nesting), FNUZ=fnuz, HAS_BIAS=bias is not None,
+            SPLIT_K=split, SWAP_AB=config.swap_ab, EVEN_K=k % (config.block_k * split) == 0,
+            PTX_DECODE=config.ptx_decode,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            MERGE=merge, num_warps=config.num_warps, num_stages=config.num_stages, **register_cap(config),
+            **pdl_options(), **prefetch,
+        )
     if split > 1 and not merge:
         reduce_split_k(target, bias, out)
     return out
