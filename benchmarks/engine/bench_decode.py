@@ -300,6 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split-quant-max-rows", type=int, default=None,
                    help="most rows the quantizing SiLU-and-mul splits over programs (silu_mul.SPLIT_QUANT_MAX_ROWS; "
                         "0: one program a row); default: the table's")
+    p.add_argument("--attention-stages", type=int, default=None,
+                   help="pipeline stages of every attention launch (attention.NUM_STAGES); default: the module's")
     args = p.parse_args(argv)
     args.batches = sorted(set(args.batches))
     if args.switch_steps < 4:
@@ -322,7 +324,7 @@ def _mode_share(text: str) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from elastiserve.kernels import configs, l2_prefetch, nested_gemm, silu_mul
+    from elastiserve.kernels import attention, configs, l2_prefetch, nested_gemm, silu_mul
     from elastiserve.platforms import current_platform
 
     args = parse_args(argv)
@@ -340,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         overrides.append((configs.SKINNY_MAX_M, dict(configs.SKINNY_MAX_M.get(arch, {}),
                                                      plain=args.skinny_plain_max_rows)))
     saved = [dict(table) for table, _ in overrides]
+    attention_stages = attention.NUM_STAGES
+    if args.attention_stages is not None:
+        attention.NUM_STAGES = args.attention_stages
     for table, value in overrides:  # before any graph is captured: the routing is baked into them
         if value is not None:
             table[arch] = value
@@ -347,6 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return _run(args)
     finally:
         torch.set_num_threads(threads)
+        attention.NUM_STAGES = attention_stages
         for (table, _), before in zip(overrides, saved):
             table.clear()
             table.update(before)
