@@ -43,11 +43,13 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
             "--iters", "2", "--trials", "2", "--switch-batch", "2", "--switch-steps", "4", "--max-model-len", "64",
             "--policies", "static-fp16", "elastickv", "--fp8-min-rows-quantized", "1", "--out", str(out),
             "--queue-fast-after", "0.5",  # dropped for these two, which never switch precision
-            "--nest-lm-head"]  # (b) and (c): the DPS engine's lm_head nested, fast with the last layer
+            "--nest-lm-head",  # (b) and (c): the DPS engine's lm_head nested, fast with the last layer
+            "--attention-stages", "3"]
     if TRACES.is_dir():
         argv += ["--trace-dir", str(TRACES)]
-    from elastiserve.kernels import nested_gemm
+    from elastiserve.kernels import attention, nested_gemm
 
+    stages = attention.NUM_STAGES
     thresholds = dict(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT)
     load_script().main(argv)
     data = json.loads(out.read_text())
@@ -59,6 +61,7 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     assert meta["settings"]["queue_fast_after"] == 0.5
     assert meta["settings"]["fp8_min_rows_quantized"] == 1 and meta["settings"]["nest_lm_head"] is True
     assert thresholds == nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, "the run restores the routing table"
+    assert meta["settings"]["attention_stages"] == 3 and attention.NUM_STAGES == stages
     roof = data["roofline"]
     assert roof["step_s"] > 0 and roof["copy"]["bytes_per_s"] > 0 and roof["fraction"] > 0
     # per layer: qkv 64x128, o 64x64, gate_up 64x192, down 96x64, two norms; then the final norm and lm_head 256x64
