@@ -123,12 +123,20 @@ def start_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int,
         engine.add_request(rid, prompt_ids(engine.vocab_size, context, rng), params)
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()
+    running = {s.request_id for s in engine.scheduler.running}
+    if missing := [rid for rid in ids if rid not in running]:
+        # The first requests decode while later ones prefill: at batch 128 x 512 tokens, 31 of them had spent
+        # max_tokens 8 before the last prefill chunk ran (session 30).
+        raise RuntimeError(f"{len(missing)} of {batch} requests finished before the others' prefill did: "
+                           f"raise max_tokens ({max_tokens})")
     return ids
 
 
 def decode_inputs(engine: LLMEngine, batch: int, context: int) -> StepInputs:
     """The inputs of one real decode step of ``batch`` sequences (scheduled once, never executed by the engine)."""
-    start_decoding(engine, batch, context, max_tokens=8, tag="dec")
+    # As many tokens as the model length allows: the step is scheduled once and never run, and every request
+    # must still be decoding when the last one's prefill ends.
+    start_decoding(engine, batch, context, max_tokens=engine.max_model_len - context, tag="dec")
     scheduled = engine.scheduler.schedule()
     if not scheduled.is_decode_only or len(scheduled.seqs) != batch:
         raise RuntimeError(f"expected a decode batch of {batch}, got {scheduled.num_new_tokens}")

@@ -61,7 +61,7 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     assert meta["settings"]["queue_fast_after"] == 0.5
     assert meta["settings"]["fp8_min_rows_quantized"] == 1 and meta["settings"]["nest_lm_head"] is True
     assert thresholds == nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, "the run restores the routing table"
-    assert meta["settings"]["attention_stages"] == 3 and attention.NUM_STAGES == stages
+    assert meta["settings"]["attention_stages"] == 3 and stages == attention.NUM_STAGES
     roof = data["roofline"]
     assert roof["step_s"] > 0 and roof["copy"]["bytes_per_s"] > 0 and roof["fraction"] > 0
     # per layer: qkv 64x128, o 64x64, gate_up 64x192, down 96x64, two norms; then the final norm and lm_head 256x64
@@ -120,3 +120,23 @@ def test_loop_watch_names_what_a_variant_compiled_in_the_loop_differs_in():
 
     assert decode_setup.constexpr_suffix(Info, {"constants": {(3,): 64}}) == " constexprs(BLOCK=64)"
     assert decode_setup.constexpr_suffix(Info, {}) == ""
+
+
+def test_decode_inputs_keeps_every_request_decoding_through_a_long_prefill(tmp_path):
+    """Session 30's H200 run at batch 128 x 512 tokens got a step of 97: the first requests decoded while the last
+    prefilled and spent their 8 tokens. Here 16 x 40 tokens at 64 tokens a step take 10 steps of prefill."""
+    load_script()  # puts benchmarks/engine, and so decode_setup, on the path
+    import decode_setup
+
+    from elastiserve.engine.config import EngineConfig
+    from elastiserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=decode_setup.resolve_model(json.dumps(TINY), tmp_path), policy="static-fp16",
+                          device="cpu", load_format="dummy", max_num_seqs=16, max_num_batched_tokens=64,
+                          max_model_len=128, cpu_kv_blocks=256, enforce_eager=True)
+    engine = LLMEngine(config, eos_token_ids=())
+    inputs = decode_setup.decode_inputs(engine, 16, 40)
+    assert list(inputs.query_lens) == [1] * 16
+    assert min(inputs.seq_lens) >= 41  # every prompt computed, each row decoding one more token
+    with pytest.raises(RuntimeError, match="finished before the others' prefill"):
+        decode_setup.start_decoding(engine, 16, 40, max_tokens=2, tag="short")
