@@ -11,7 +11,7 @@ source ci/gpu/bootstrap.sh
 set +e
 start_round
 R=$OUT/r; mkdir -p $R
-(cd benchmarks/kernels && timeout 540 python3 probe_fp8_tiles.py --mode full --tall-only --tma --m 128 256 96 192 \
+(cd benchmarks/kernels && timeout ${PROBE_LIMIT:-540} python3 probe_fp8_tiles.py --mode full --tall-only --tma --m 128 256 96 192 \
   --out $R/full-tall-wgmma.json > $R/full-tall-wgmma.log 2>&1)
 grep "M=" $R/full-tall-wgmma.log
 cp $OUT/gpus.txt $R/; tar czf $OUT/results.tgz -C $OUT r && rm -rf $R
