@@ -6,7 +6,8 @@
 # tall tiles beside them, against cuBLAS fp16 and the materialized path at 96-256 rows on the four Llama-3.1-8B
 # linears, each also with its tiles fetched by TMA (gemm_tma: no address arithmetic in the loop, 109-174 registers
 # against the pointer kernel's 135-254 at these tiles, compiled for sm90 on the CPU). A tile that beats the
-# materialized path becomes full mode's row (configs.MATERIALIZE_MIN_M moves up).
+# materialized path becomes full mode's row (configs.MATERIALIZE_MIN_M moves up). PROBE_LIMIT (default 540 s) cuts
+# the probe where less of the call is left; its rows are logged as they come.
 source ci/gpu/bootstrap.sh
 set +e
 start_round
