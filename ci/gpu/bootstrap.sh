@@ -62,3 +62,11 @@ decode_table() {  # NAME [bench_decode.py arguments...]
     --batch 1 2 4 8 16 32 --kv-gib 12 --iters 30 --trials 5 --out $R/decode-$1.json "${@:2}" > $R/decode-$1.log 2>&1
   echo "== decode $1"; sed -n "/^(a)/,/^results/p" $R/decode-$1.log
 }
+
+# Fast and full mode at batches 64 and 128 (Llama-3.1-8B shapes) into $R/decode-large-NAME.{json,log}; prints the
+# table, or the log's end when it failed. The other arguments go to bench_decode.py (--nest-lm-head, ...).
+decode_large() {  # NAME [bench_decode.py arguments...]
+  timeout ${DECODE_LIMIT:-120} python3 benchmarks/engine/bench_decode.py --parts fast_full --batch 64 128 --kv-gib 16 \
+    --iters 20 --trials 3 --out $R/decode-large-$1.json "${@:2}" > $R/decode-large-$1.log 2>&1
+  echo "== decode large $1"; sed -n "/^(b)/,/^results/p" $R/decode-large-$1.log; tail -2 $R/decode-large-$1.log
+}

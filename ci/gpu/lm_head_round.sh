@@ -21,9 +21,6 @@ decode_table committed
 decode_table nest-lm-head --nest-lm-head
 # Full mode from 65 rows merges a nested weight into scratch, then cuBLAS (0.37-0.51x of cuBLAS alone at 65-256
 # rows): a nested lm_head pays that at batches of 65+ in full mode. Time it at 64 and 128.
-for v in committed nest-lm-head; do
-  timeout 120 python3 benchmarks/engine/bench_decode.py --parts fast_full --batch 64 128 --kv-gib 12 --iters 20 \
-    --trials 3 --out $R/decode-large-$v.json $([ $v = nest-lm-head ] && echo --nest-lm-head) > $R/decode-large-$v.log 2>&1
-  echo "== decode large $v"; sed -n "/^(b)/,/^results/p" $R/decode-large-$v.log
-done
+decode_large committed
+decode_large nest-lm-head --nest-lm-head
 cp $OUT/gpus.txt $R/; tar czf $OUT/results.tgz -C $OUT r && rm -rf $R
