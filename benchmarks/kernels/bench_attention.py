@@ -105,7 +105,8 @@ def build_tables(shape: DecodeShape, device):
     return num_blocks, native.to(**to), all_base.to(**to), mixed.to(**to), bounds.to(**to), pair_mode.to(**to)
 
 
-def bench_decode(shape: DecodeShape, device, num_splits: int = 0) -> list[Row]:
+def bench_decode(shape: DecodeShape, device, num_splits: int = 0, cases: tuple[str, ...] | None = None) -> list[Row]:
+    """Every decode case side by side (``cases``: only those named)."""
     num_blocks, native, all_base, mixed, bounds, pair_mode = build_tables(shape, device)
     cache = torch.randn(
         num_blocks, shape.layers, 2, shape.kv_heads, shape.block_size, shape.head_dim, device=device
@@ -134,7 +135,7 @@ def bench_decode(shape: DecodeShape, device, num_splits: int = 0) -> list[Row]:
         F.scaled_dot_product_attention(q_sdpa, keys[layer], values[layer], scale=scale, enable_gqa=True)
 
     base_share = float((bounds[:, 1] - bounds[:, 0]).sum()) * 2 * shape.block_size / (shape.batch * shape.context)
-    cases = [
+    every_case = [
         ("sdpa_contiguous", sdpa, kv_bytes, ""),
         ("native", paged(native, 0), kv_bytes, "path 0"),
         ("all_base", paged(all_base, 1, torch.tensor([[0, 1 << 30]] * shape.batch, dtype=torch.int32, device=device)),
@@ -147,7 +148,9 @@ def bench_decode(shape: DecodeShape, device, num_splits: int = 0) -> list[Row]:
         ("structured_15_split", paged(mixed, 3, bounds), int(kv_bytes * (1 - base_share / 2)),
          "path 3 (two launches), same layout as structured_15"),
     ]  # fmt: skip
-    for name, fn, nbytes, note in cases:
+    for name, fn, nbytes, note in every_case:
+        if cases is not None and name not in cases:
+            continue
         med, p20, p80 = graph_time_us(fn, shape.layers)
         rows.append(Row(name, med, p20, p80, nbytes, nbytes / med / 1e6, note))
     return rows
@@ -172,31 +175,42 @@ def bench_demote(shape: DecodeShape, device, pairs: int = 2048) -> list[Row]:
     return rows
 
 
-# Launch settings the sweep tries: (KV splits, 0 = the op's choice; TARGET pairs per tile; BASE pairs per tile;
-# path 3's BASE-launch pairs per tile; warps; pipeline stages). Compiled for sm90 (compile_report.py), 3 stages give the
-# native kernel 96 registers and 14 async copies against 114 and 8 at 2 stages (5 CTAs per SM instead of 4), and
-# path 3's BASE launch 7 async copies against 4 at the same 104 registers: never timed before session 29.
-SWEEP_SETTINGS = ((0, 2, 4, 2, 4, 2), (0, 2, 4, 2, 4, 3), (0, 2, 4, 2, 4, 4), (0, 2, 4, 4, 4, 3), (0, 2, 4, 2, 8, 3),
-                  (0, 4, 4, 2, 4, 3))
-SWEPT = ("TARGET_PAIRS_PER_TILE", "BASE_PAIRS_PER_TILE", "SPLIT_BASE_PAIRS_PER_TILE", "NUM_WARPS", "NUM_STAGES")
+# Launch settings a sweep tries, each a tuple of module settings named by its SWEEPS entry; the first KV splits (0 =
+# the op's choice) leads every row. "stages" (session 29): (TARGET pairs per tile, BASE pairs per tile, path 3's
+# BASE-launch pairs per tile, warps, pipeline stages); compiled for sm90 (compile_report.py), 3 stages give the
+# native kernel 96 registers and 14 async copies against 114 and 8 at 2 stages, and path 3's BASE launch 7 async
+# copies against 4 at the same 104 registers. "base-launch" (session 31): path 3's BASE launch alone, (pairs per tile,
+# its KV splits as a multiple of the first launch's, its register cap): after ncu put that launch at 3.9 resident
+# programs of 16 warps a SM with issue slots 42 % busy (H100), more programs and fewer registers (96: 5 CTAs a SM, 80:
+# 6) are what could add resident warps; only the cases it touches are timed.
+SWEEPS = {
+    "stages": (("TARGET_PAIRS_PER_TILE", "BASE_PAIRS_PER_TILE", "SPLIT_BASE_PAIRS_PER_TILE", "NUM_WARPS", "NUM_STAGES"),
+               ((0, 2, 4, 2, 4, 2), (0, 2, 4, 2, 4, 3), (0, 2, 4, 2, 4, 4), (0, 2, 4, 4, 4, 3), (0, 2, 4, 2, 8, 3),
+                (0, 4, 4, 2, 4, 3)), None),
+    "base-launch": (("SPLIT_BASE_PAIRS_PER_TILE", "BASE_LAUNCH_SPLIT_FACTOR", "BASE_LAUNCH_MAX_REGISTERS"),
+                    ((0, 2, 1, None), (0, 2, 1, 96), (0, 2, 2, None), (0, 2, 2, 96), (0, 2, 2, 80), (0, 2, 4, 96),
+                     (0, 2, 4, 80), (0, 4, 2, 96)),
+                    ("native", "all_base_split", "structured_15_split")),
+}
 
 
-def sweep(shape: DecodeShape, device) -> list[dict]:
-    """Try launch settings on the decode cases (for tuning the module defaults), each against the same shapes; the
-    module defaults are put back afterwards."""
-    defaults = {name: getattr(attention_mod, name) for name in SWEPT}
+def sweep(shape: DecodeShape, device, name: str) -> list[dict]:
+    """Try the launch settings of ``SWEEPS[name]`` on the decode cases (for tuning the module defaults), each against
+    the same shapes; the module defaults are put back afterwards."""
+    swept, settings, cases = SWEEPS[name]
+    defaults = {setting: getattr(attention_mod, setting) for setting in swept}
     results = []
     try:
-        for splits, *values in SWEEP_SETTINGS:
-            for name, value in zip(SWEPT, values):
-                setattr(attention_mod, name, value)
-            rows = bench_decode(shape, device, num_splits=splits)
+        for splits, *values in settings:
+            for setting, value in zip(swept, values):
+                setattr(attention_mod, setting, value)
+            rows = bench_decode(shape, device, num_splits=splits, cases=cases)
             times = {r.case: round(r.us, 1) for r in rows}
-            results.append({"splits": splits, **dict(zip(SWEPT, values)), **times})
+            results.append({"splits": splits, **dict(zip(swept, values)), **times})
             print(results[-1], flush=True)
     finally:
-        for name, value in defaults.items():
-            setattr(attention_mod, name, value)
+        for setting, value in defaults.items():
+            setattr(attention_mod, setting, value)
     return results
 
 
@@ -213,7 +227,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--num-splits", type=int, default=0, help="0 = the op's own choice")
     parser.add_argument("--table-tokens", type=int, default=0, help="block-table width in tokens (0: --context)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch settings")
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), help="also sweep these launch settings")
     args = parser.parse_args()
     device = torch.device("cuda")
     shape = DecodeShape(batch=args.batch, context=args.context, table_tokens=args.table_tokens)
@@ -236,7 +250,7 @@ def main() -> None:
         python=platform.python_version(), shape=asdict(shape), rows=[asdict(r) for r in rows], ratios=ratios,
     )  # fmt: skip
     if args.sweep:
-        report["sweep"] = sweep(shape, device)
+        report["sweep"] = sweep(shape, device, args.sweep)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 

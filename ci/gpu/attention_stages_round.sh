@@ -11,10 +11,10 @@ source ci/gpu/bootstrap.sh
 set +e
 start_round
 R=$OUT/r; mkdir -p $R
-(cd benchmarks/kernels && timeout 200 python3 bench_attention.py --sweep --out $R/attention-sweep-64x4096.json \
+(cd benchmarks/kernels && timeout 200 python3 bench_attention.py --sweep stages --out $R/attention-sweep-64x4096.json \
   > $R/attention-sweep-64x4096.log 2>&1)
 cat $R/attention-sweep-64x4096.log | grep -v "^\s*$" | tail -20
-(cd benchmarks/kernels && timeout 120 python3 bench_attention.py --sweep --batch 4 --context 1024 --table-tokens 8192 \
+(cd benchmarks/kernels && timeout 120 python3 bench_attention.py --sweep stages --batch 4 --context 1024 --table-tokens 8192 \
   --out $R/attention-sweep-4x1024.json > $R/attention-sweep-4x1024.log 2>&1)
 grep "^{" $R/attention-sweep-4x1024.log
 decode_table committed

@@ -20,6 +20,7 @@ import torch
 from attention_cases import LAYER, build_batch, dense_sdpa, metadata, run_attention
 
 from elastiserve.kernels import arrivals
+from elastiserve.kernels import attention as attention_mod
 from elastiserve.kernels.attention import paged_attention, split_counters
 from elastiserve.kernels.attention_plan import (
     GENERAL,
@@ -83,6 +84,20 @@ def test_decode_kv_splits_equal_reference(device, path, num_splits):
     _, bounds, modes = metadata(batch, device, path)
     expected = run_attention(batch, path, bounds, modes, ref=True)
     got = run_attention(batch, path, bounds, modes, num_splits=num_splits)
+    torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("factor, num_splits", [(2, 1), (3, 3), (4, 16)])
+def test_base_launch_with_its_own_split_count_equals_reference(device, factor, num_splits, monkeypatch):
+    # Path 3's BASE launch at `factor` times the first launch's splits (attention.BASE_LAUNCH_SPLIT_FACTOR): its
+    # slots start after the first launch's, the merge reads the filled ones of both (16 x 4 splits over 10 pairs:
+    # most ranges empty). Split edges inside the BASE run 3..6; a sequence without BASE; a one-pair BASE run.
+    monkeypatch.setattr(attention_mod, "BASE_LAUNCH_SPLIT_FACTOR", factor)
+    batch = build_batch(device, [300, 17, 250, 64], [1, 1, 1, 1], [[3, 4, 5, 6], [], [2], [0, 1]], group=4,
+                        head_dim=32)
+    _, bounds, modes = metadata(batch, device, STRUCTURED_SPLIT)
+    expected = run_attention(batch, STRUCTURED_SPLIT, bounds, modes, ref=True)
+    got = run_attention(batch, STRUCTURED_SPLIT, bounds, modes, num_splits=num_splits)
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
 
 

@@ -12,6 +12,7 @@ import torch
 from attention_cases import LAYER, build_batch, metadata, run_attention
 
 from elastiserve.kernels import arrivals
+from elastiserve.kernels import attention as attention_mod
 from elastiserve.kernels.attention import paged_attention, split_counters
 from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, STRUCTURED_SPLIT
 
@@ -51,6 +52,22 @@ REAL_SIZE_BASE = {
     STRUCTURED_SPLIT: [list(range(10, 40)), list(range(0, 31)), [5, 6, 7], []],
     GENERAL: [list(range(10, 40)), [0, 3, 4, 30], [5, 7, 9], []],
 }
+
+
+@pytest.mark.parametrize("factor, registers", [(2, None), (2, 96), (4, 80)])
+def test_real_size_base_launch_settings_equal_reference(factor, registers, monkeypatch):
+    # The base-launch sweep's settings (bench_attention.SWEEPS): more KV splits for path 3's BASE launch, a register
+    # cap (PTX .maxnreg; 80 spills a few bytes) - the same result as the reference at real sizes.
+    monkeypatch.setattr(attention_mod, "BASE_LAUNCH_SPLIT_FACTOR", factor)
+    monkeypatch.setattr(attention_mod, "BASE_LAUNCH_MAX_REGISTERS", registers)
+    device = torch.device("cuda")
+    batch = build_batch(device, [4096, 1000, 2049, 17] * 4, [1] * 16, REAL_SIZE_BASE[STRUCTURED_SPLIT] * 4,
+                        kv_heads=8, group=4, head_dim=128)
+    _, bounds, modes = metadata(batch, device, STRUCTURED_SPLIT)
+    expected = run_attention(batch, STRUCTURED_SPLIT, bounds, modes, ref=True)
+    for num_splits in (0, 1, 4):
+        got = run_attention(batch, STRUCTURED_SPLIT, bounds, modes, num_splits=num_splits)
+        torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
 
 
 @pytest.mark.parametrize("path", [NATIVE, STRUCTURED, GENERAL, STRUCTURED_SPLIT])

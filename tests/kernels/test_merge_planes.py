@@ -58,5 +58,32 @@ def test_full_via_merged_weight_matches_fp16_gemm(device, weight_exp):
 
 
 def test_many_row_full_mode_takes_the_merged_path_on_gpus():
-    assert configs.materializes_full("sm90", 128) and not configs.materializes_full("sm90", 64)
+    assert configs.materializes_full("sm90", 257) and not configs.materializes_full("sm90", 256)
     assert not configs.materializes_full("cpu", 4096)  # the interpreter keeps exercising the fused kernel
+
+
+LLAMA_8B_CLASSES = {(28672, 4096): "wide", (4096, 14336): "long_k", (6144, 4096): "mid", (4096, 4096): "narrow"}
+
+
+def test_sm90_full_mode_takes_tma_tiles_at_65_to_256_rows():
+    for m in (65, 128, 129, 256):
+        for (n, k), weight_class in LLAMA_8B_CLASSES.items():
+            config = configs.choose_config("sm90", "full", m, n, k, 132)
+            assert config == configs.FULL_SM90_TALL[128 if m <= 128 else 256][weight_class], (m, n, k)
+            assert config.tma and config.ptx_decode
+    for m in (64, 257):
+        assert not configs.choose_config("sm90", "full", m, 6144, 4096, 132).tma
+    assert configs.choose_config("sm90", "full", 100, 6144, 256, 132).split_k == 1  # 4 K blocks: no split
+    assert not configs.choose_config("sm90", "full", 100, 6144, 4096, 132, grouped=True).tma
+    assert not configs.choose_config("sm80", "full", 100, 6144, 4096, 108).tma
+
+
+def test_full_mode_route_by_rows_and_tensor_layout():
+    upper, lower = (torch.zeros(64, 256, dtype=torch.uint8) for _ in range(2))
+    aligned = torch.zeros(100, 256, dtype=torch.float16)
+    strided = torch.zeros(100, 264, dtype=torch.float16)[:, 1:257]  # rows 16-byte aligned, the base is not
+    assert not nested_gemm.full_runs_merged("sm90", aligned, upper, lower)  # the TMA tiles
+    assert nested_gemm.full_runs_merged("sm90", strided, upper, lower)  # the materialized path, as before them
+    assert nested_gemm.full_runs_merged("sm90", torch.zeros(300, 256, dtype=torch.float16), upper, lower)
+    assert not nested_gemm.full_runs_merged("sm90", torch.zeros(64, 256, dtype=torch.float16), upper, lower)
+    assert not nested_gemm.full_runs_merged("cpu", strided, upper, lower)  # the interpreter: the fused kernel

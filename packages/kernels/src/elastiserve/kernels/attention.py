@@ -21,7 +21,7 @@ from elastiserve.kernels.attention_kernels import paged_attention_kernel
 from elastiserve.kernels.attention_plan import GENERAL, NATIVE, STRUCTURED, STRUCTURED_SPLIT
 from elastiserve.kernels.kv_ops import KVLayoutError, base_halves, check_kv_cache
 from elastiserve.kernels.launch import pdl_options
-from elastiserve.platforms import current_platform
+from elastiserve.platforms import Vendor, current_platform
 from elastiserve.platforms.env import triton_interpret
 
 LOG2_E = 1.4426950408889634
@@ -31,10 +31,25 @@ BASE_PAIRS_PER_TILE = 4  # a BASE pair is one packed block: twice the pairs for 
 # (5 CTAs per SM; the native kernel 114) where 4 pairs take 142 (3 CTAs per SM); sm90-compile-report.log, head_dim
 # specialized as the JIT does for 128 (unspecialized: 128 against 204).
 SPLIT_BASE_PAIRS_PER_TILE = 2
+# Path 3's BASE launch: KV splits as a multiple of the first launch's, and a register cap (NVIDIA; None: the
+# compiler's 104). Session 31's ncu of that launch at batch 64 x 4,096 (H100, BENCHMARKS.md): 512 programs, 3.9
+# resident a SM (16 warps: 25 % occupancy), issue slots 42 % busy at 9.2 cycles between a warp's instructions, DRAM
+# 82 % busy; more resident warps need both more programs and fewer registers (96 or fewer: 5 CTAs a SM, no spills;
+# 80: 6, 8 bytes spilled). Kept at 1 / None until a sweep times them (bench_attention.py --sweep).
+BASE_LAUNCH_SPLIT_FACTOR = 1
+BASE_LAUNCH_MAX_REGISTERS: int | None = None
 MIN_PAIRS_PER_SPLIT = 8
 MAX_SPLITS = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
+
+
+def base_launch_register_cap() -> dict:
+    """Path 3's BASE launch option for ``BASE_LAUNCH_MAX_REGISTERS``: PTX .maxnreg on NVIDIA GPUs, none elsewhere
+    (the interpreter and AMD have no such cap; the setting is a tuning knob of the CUDA launch only)."""
+    if BASE_LAUNCH_MAX_REGISTERS is None or triton_interpret() or current_platform().vendor is not Vendor.NVIDIA:
+        return {}
+    return {"maxnreg": BASE_LAUNCH_MAX_REGISTERS}
 
 
 def split_counters(device: torch.device, entries: int) -> torch.Tensor:
@@ -105,10 +120,15 @@ def _paged_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     if path == STRUCTURED_SPLIT and num_q_blocks > 1:
         path = STRUCTURED  # the split launch merges flash-decoding partials, which only decode tiles have
-    # (kernel path, first partial slot, BASE pairs per tile); the last launch's last programs merge the partials.
-    launches = [(3, 0, BASE_PAIRS_PER_TILE), (4, num_splits, SPLIT_BASE_PAIRS_PER_TILE)] if path == STRUCTURED_SPLIT \
-        else [(path, 0, BASE_PAIRS_PER_TILE)]
-    total_splits = num_splits * len(launches)
+    # (kernel path, first partial slot, BASE pairs per tile, KV splits, launch options); the last launch's last
+    # programs merge the partials.
+    if path == STRUCTURED_SPLIT:
+        launches = [(3, 0, BASE_PAIRS_PER_TILE, num_splits, {}),
+                    (4, num_splits, SPLIT_BASE_PAIRS_PER_TILE, num_splits * BASE_LAUNCH_SPLIT_FACTOR,
+                     base_launch_register_cap())]
+    else:
+        launches = [(path, 0, BASE_PAIRS_PER_TILE, num_splits, {})]
+    total_splits = sum(launch[3] for launch in launches)
     partials = total_splits > 1
     layer_view = kv_cache[:, layer]  # [N, 2, H, BS, D]; data_ptr includes the layer offset
     bounds = base_bounds if path in (STRUCTURED, STRUCTURED_SPLIT) else seq_lens
@@ -123,11 +143,11 @@ def _paged_attention_triton(
         counters = split_counters(q.device, batch * num_kv_heads)
     else:
         part_acc = part_ml = counters = out  # never touched
-    grid = (batch, num_kv_heads, num_splits if partials else num_q_blocks)
     # Split ranges align to the tile the path reads: a BASE tile (BASE_PAIRS_PER_TILE) wherever BASE can occur, the
     # native path's own 2-pair tile otherwise, so a short context spreads over twice the programs.
     split_align = TARGET_PAIRS_PER_TILE if path == NATIVE else BASE_PAIRS_PER_TILE
-    for kernel_path, split_base, base_pairs in launches:
+    for kernel_path, split_base, base_pairs, splits, options in launches:
+        grid = (batch, num_kv_heads, splits if partials else num_q_blocks)
         paged_attention_kernel[grid](
             q, out, layer_view,
             block_tables, seq_lens, query_start_loc, bounds, modes,
@@ -137,10 +157,10 @@ def _paged_attention_triton(
             block_tables.stride(0), modes.stride(0),
             group_size, head_dim, scale * LOG2_E,
             BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d,
-            PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=base_pairs, PATH=kernel_path, NUM_SPLITS=num_splits,
+            PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=base_pairs, PATH=kernel_path, NUM_SPLITS=splits,
             INTERPRETED=triton_interpret(), PARTIALS=partials, TOTAL_SPLITS=total_splits, SPLIT_BASE=split_base,
             SPLIT_ALIGN=split_align, MERGE=partials and kernel_path != 3, MERGE_ROWS=merge_rows,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options()
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options(), **options
         )  # fmt: skip
     return out
 

@@ -286,17 +286,20 @@ def paged_attention_kernel(
             tl.store(ml + rows, m_i, mask=kept)
             tl.store(ml + MERGE_ROWS + rows, l_i, mask=kept)
             if MERGE:
-                # Slots [0, NUM_SPLITS) hold ranges of this kernel's own split (PATH 3's launch and paths 0-2);
+                # Slots [0, FIRST_SPLITS) hold ranges of this kernel's own split (PATH 3's launch and paths 0-2);
                 # only the first cdiv(num_pairs, per_split) hold pairs (a graph captured for 8,192 tokens keeps 16
                 # splits, a 512-token context fills 8 native ones). PATH 4 adds its BASE ranges after them.
-                used = tl.cdiv(num_pairs, tl.maximum(per_split, 1))
+                # PATH 4's own split count (the grid's) may differ from the first launch's (SPLIT_BASE): its slots
+                # and their fill follow that launch's ranges.
+                FIRST_SPLITS: tl.constexpr = SPLIT_BASE if PATH == 4 else NUM_SPLITS
+                used = tl.cdiv(num_pairs, tl.maximum(_pairs_per_split(num_pairs, FIRST_SPLITS, SPLIT_ALIGN), 1))
                 counter = counters_ptr + seq * tl.num_programs(1) + kv_head
                 if last_to_arrive(counter, NUM_SPLITS):
                     merge_rows = tl.arange(0, MERGE_ROWS)
                     _, out_token, out_head, out_ok = _row_coords(merge_rows, 0, q_start, q_len, kv_head, group_size,
                                                                  BLOCK_Q)
                     merged, merged_sum = merge_partials(part_acc_ptr, part_ml_ptr, first_slot, used, used_base,
-                                                        merge_rows, out_ok, dims, NUM_SPLITS, TOTAL_SPLITS, BLOCK_D,
+                                                        merge_rows, out_ok, dims, FIRST_SPLITS, TOTAL_SPLITS, BLOCK_D,
                                                         MERGE_ROWS)
                     _store_out(out_ptr, merged, merged_sum, out_token, out_head, dims,
                                out_ok[:, None] & (dims[None, :] < head_dim), stride_ot, stride_oh)

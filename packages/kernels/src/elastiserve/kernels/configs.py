@@ -179,12 +179,43 @@ TABLES: dict[str, dict[str, dict[int, GemmConfig]]] = {
 # sm90 from 65 rows: at 96 and 127 rows the materialized path took 41.4 / 30.9 / 178.0 / 95.5 us (qkv / o / gate_up /
 # down) against the fused kernel's best tile 49.4 / 32.6 / 192.7 / 103.7 us and the bucketed tile's 111.5-390.8 us;
 # at 64 rows the fused kernel still won (32.8 vs 40.1 us on qkv). Session 16's full-mode probe
-# (benchmarks/kernels/results/h200-full-tiles-s16.json).
-MATERIALIZE_MIN_M = {"sm90": 65, "sm89": 128, "sm80": 128, "gfx942": 128, "gfx950": 128}
+# (benchmarks/kernels/results/h200-full-tiles-s16.json). sm90 from 257 rows since session 31: FULL_SM90_TALL below.
+MATERIALIZE_MIN_M = {"sm90": 257, "sm89": 128, "sm80": 128, "gfx942": 128, "gfx950": 128}
 # sm90 full mode at 17-32 rows: the PTX decode tile with a 32-row token tile and no split-K ran 20.5-20.9 / 15.1-15.6 /
 # 69.9-71.0 / 45.0-46.5 us on the four Llama-3.1-8B linears, against 30.7-33.7 / 22.8-23.0 / 112.2-123.9 / 67.3-68.6 us
 # for the bucket-64 tile (same probe): 0.71-0.94x of cuBLAS fp16 instead of 0.48-0.60x.
 FULL_SM90_ROWS_32 = _G(32, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
+# sm90 full mode at 65-256 rows: tall token tiles fetched by TMA (gemm_tma), the decoded weight wgmma's register
+# operand A. H100 probe, session 31 (probe_fp8_tiles.py --mode full --tall-only --tma, raw
+# benchmarks/kernels/results/h100-full-tall-wgmma-s31.json; Llama-3.1-8B linears at 96 / 128 / 192 / 256 rows): per
+# row range and weight class the tile with the best geomean, at the split it was timed with. Against cuBLAS fp16 it
+# ran 0.60-0.66x (qkv), 0.66-0.68x (o), 0.89-0.98x (gate_up), 0.78-0.86x (down) up to 128 rows and 0.45-0.75x above,
+# where the materialized path these rows took before ran 0.37-0.46x on every shape. Classes: "wide" N > FP8_WIDE_N
+# (gate_up), "long_k" K >= LONG_K (down), "mid" N > 4096 (qkv), "narrow" (o).
+FULL_TMA_MIN_M, FULL_TMA_MAX_M = 65, 256
+FULL_SM90_TALL = {
+    128: {"wide": _G(128, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, tma=True),
+          "long_k": _G(128, 64, 128, num_warps=4, num_stages=3, split_k=2, ptx_decode=True, tma=True),
+          "mid": _G(128, 64, 64, num_warps=4, num_stages=3, split_k=4, ptx_decode=True, tma=True),
+          "narrow": _G(128, 64, 128, num_warps=4, num_stages=3, split_k=2, ptx_decode=True, tma=True)},
+    256: {"wide": _G(256, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, tma=True),
+          "long_k": _G(256, 128, 64, num_warps=8, num_stages=3, split_k=4, ptx_decode=True, tma=True),
+          "mid": _G(256, 64, 64, num_warps=4, num_stages=3, ptx_decode=True, tma=True),
+          "narrow": _G(256, 64, 64, num_warps=4, num_stages=3, split_k=2, ptx_decode=True, tma=True)},
+}
+
+
+def full_takes_tma(arch: str, m: int) -> bool:
+    """Whether full mode at ``m`` rows runs FULL_SM90_TALL's TMA tiles (when the tensors suit TMA)."""
+    return arch == "sm90" and FULL_TMA_MIN_M <= m <= FULL_TMA_MAX_M
+
+
+def _full_sm90_tall(m: int, n: int, k: int) -> GemmConfig:
+    weight_class = "wide" if n > FP8_WIDE_N else "long_k" if k >= LONG_K else "mid" if n > 4096 else "narrow"
+    config = FULL_SM90_TALL[128 if m <= 128 else 256][weight_class]
+    while config.split_k > 1 and -(-k // config.block_k) < 4 * config.split_k:  # short K: >= 4 K blocks a split
+        config = replace(config, split_k=config.split_k // 2)
+    return config
 
 
 def materializes_full(arch: str, m: int) -> bool:
@@ -258,6 +289,8 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int, *,
         return _fp8_sm90_config(m, n, k, num_sms)
     if arch == "sm90" and mode == "full" and 16 < m <= 32:
         return FULL_SM90_ROWS_32
+    if mode == "full" and full_takes_tma(arch, m) and not grouped:
+        return _full_sm90_tall(m, n, k)
     config = TABLES.get(arch, _SM80)[mode][bucket]
     if arch == "sm90" and bucket <= 16 and k >= LONG_K and mode in _DECODE_LONG_K_BY_MODE:  # sm90 smem only
         config = _DECODE_LONG_K_BY_MODE[mode]

@@ -84,6 +84,11 @@ def _gemm_tma_kernel(
                     stride_os, stride_om, stride_on, w_scale, MODE == 2, HAS_BIAS, SPLIT_K, MERGE)
 
 
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether a bulk tensor copy can read ``t``: unit stride along K, rows and base 16-byte aligned."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % ALIGN == 0 and t.data_ptr() % ALIGN == 0
+
+
 def check_tma(tensors: dict[str, torch.Tensor], config: configs.GemmConfig) -> None:
     """A tma config that cannot run here raises (never a silent fallback to the pointer kernel)."""
     if max(config.block_m, config.block_n, config.block_k) > TMA_MAX_BOX:
@@ -93,7 +98,7 @@ def check_tma(tensors: dict[str, torch.Tensor], config: configs.GemmConfig) -> N
         raise ConfigError(f"tma needs an NVIDIA GPU with bulk tensor copies {TMA_ARCHS} (or the interpreter); "
                           f"platform is {platform.arch}")
     for name, t in tensors.items():
-        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % ALIGN or t.data_ptr() % ALIGN:
+        if not tma_ready(t):
             raise ConfigError(f"tma needs the {name} 16-byte aligned with unit stride along K, got strides "
                               f"{tuple(t.stride())} at {t.data_ptr() % ALIGN} bytes past alignment")
 

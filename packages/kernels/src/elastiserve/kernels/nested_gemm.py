@@ -38,7 +38,7 @@ from elastiserve.kernels.fp8_activations import (
     quantize_per_token_ref,
 )
 from elastiserve.kernels.gemm_epilogue import store_gemm_tile
-from elastiserve.kernels.gemm_tma import TMA_MODES, launch_gemm_tma
+from elastiserve.kernels.gemm_tma import TMA_MODES, launch_gemm_tma, tma_ready
 from elastiserve.kernels.l2_prefetch import prefetch_plan, prefetch_rows_l2
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.merge_planes import full_via_merged_weight
@@ -310,6 +310,16 @@ def fast_mode_for(m: int, *, grouped: bool = False, quantized_input: bool = Fals
     return "weight_only"
 
 
+def full_runs_merged(arch: str, x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor) -> bool:
+    """Full mode's route for these rows: the materialized weight and the vendor GEMM (True) or the fused kernel.
+    Rows that take TMA tiles (``configs.full_takes_tma``) take the materialized path where a tensor does not suit
+    TMA (a strided or misaligned view), as they did before those tiles: a route, never a failed launch."""
+    m = x.shape[0]
+    if configs.full_takes_tma(arch, m) and not all(tma_ready(t) for t in (x, upper, lower)):
+        return True
+    return configs.materializes_full(arch, m)
+
+
 @torch.library.custom_op("elastiserve::nested_linear", mutates_args=())
 def nested_linear_op(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias: torch.Tensor | None,
                      nesting: int, fast: bool, weight_exp: int = 0) -> torch.Tensor:
@@ -317,7 +327,7 @@ def nested_linear_op(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, 
     platform = current_platform()
     if platform.kernel_backend == "reference":
         return nested_linear_ref(x, upper, lower, bias, nesting, mode, fnuz=platform_fnuz(), weight_exp=weight_exp)
-    if mode == "full" and configs.materializes_full(platform.arch, x.shape[0]):
+    if mode == "full" and full_runs_merged(platform.arch, x, upper, lower):
         return full_via_merged_weight(x, upper, lower, bias, nesting, weight_exp)
     return nested_gemm(x, upper, lower, bias, nesting, mode, fnuz=platform_fnuz(), weight_exp=weight_exp)
 
