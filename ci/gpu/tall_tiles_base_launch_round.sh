@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call on a one-GPU host (~7.5 min), session 31. Two changes measured after the session's first calls:
-# 1. Full mode at 65-256 rows now runs TMA tall tiles (configs.FULL_SM90_TALL) instead of the materialized weight:
-#    their CUDA tests (the tiles against the pointer kernel's bits, the op at every weight class, a misaligned view's
-#    route), then the GEMM table of the four Llama-3.1-8B linears at 64-256 rows (ours_full is the op's route).
+# 1. Full mode at 65-256 rows on TMA tall tiles (configs.FULL_SM90_TALL, off until this round: FULL_SM90_TALL_ON)
+#    instead of the materialized weight: their CUDA tests (every table tile against the pointer kernel's bits, the op
+#    at every weight class with the tiles on and off), then the GEMM table of the four Llama-3.1-8B linears at 64-256
+#    rows with them on (ours_full is the op's route; ours_full_kernel the fused kernel's table tile). If both hold,
+#    set FULL_SM90_TALL_ON = True.
 # 2. Path 3's BASE launch (all-BASE 1.50x native on the H200, target 1.7x; ncu: 16 resident warps a SM, issue slots
 #    42 % busy): bench_attention.py --sweep base-launch (its KV splits x1 / x2 / x4, registers capped at 96 / 80)
 #    at batch 64 x 4,096 and at 4 x 1,024 in tables for 8,192 tokens, beside the native path.
@@ -14,7 +16,7 @@ R=$OUT/r; mkdir -p $R
   tests/kernels/test_attention_cuda.py tests/kernels/test_nested_gemm.py -k \
   "tma or merge or route or tall or base_launch or real_size_decode or op_matches") > $OUT/test-cuda-s31.log 2>&1
 grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-s31.log | tail -12
-(cd benchmarks/kernels && timeout ${GEMM_LIMIT:-110} python3 bench_nested_gemm.py --no-moe --m 64 96 128 192 256 \
+(cd benchmarks/kernels && timeout ${GEMM_LIMIT:-110} python3 bench_nested_gemm.py --no-moe --full-tall-tiles --m 64 96 128 192 256 \
   --shapes llama3.1-8b.qkv llama3.1-8b.o llama3.1-8b.gate_up llama3.1-8b.down --out $R/gemm-tall-rows.json \
   > $R/gemm-tall-rows.log 2>&1)
 grep -iE "M=|full|shape" $R/gemm-tall-rows.log | head -40

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastiserve.kernels import formats, fp8_activations, nested_gemm
+from elastiserve.kernels import configs, formats, fp8_activations, nested_gemm
 from elastiserve.kernels.configs import GemmConfig
 from elastiserve.kernels.formats import Nesting
 
@@ -220,12 +220,14 @@ def test_quantize_per_token_bit_exact(device, m, k):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-# On a GPU also the rows where sm90 full mode runs TMA tiles (configs.FULL_SM90_TALL: each weight class at both row
-# ranges) and, from 257 rows, the materialized weight and the vendor GEMM (MATERIALIZE_MIN_M).
+# On a GPU also 65-300 rows: full mode there is the materialized weight and the vendor GEMM (MATERIALIZE_MIN_M) or,
+# with configs.FULL_SM90_TALL_ON, on sm90 the TMA tiles up to 256 rows (each weight class at both row ranges).
 GPU_OP_SHAPES = [(96, 4096, 4096), (200, 6144, 4096), (130, 16384, 1024), (65, 1024, 8192), (300, 4096, 4096)]
 
 
-def test_op_matches_launcher(device):
+@pytest.mark.parametrize("tall_tiles", [False, True])
+def test_op_matches_launcher(device, tall_tiles, monkeypatch):
+    monkeypatch.setattr(configs, "FULL_SM90_TALL_ON", tall_tiles)
     for m, n, k in [(5, 48, 40)] + ([] if device.type == "cpu" else GPU_OP_SHAPES):
         x, _, b, upper, lower = _problem(m, n, k, Nesting.E4M3, device)
         full = torch.ops.elastiserve.nested_linear(x, upper, lower, b, int(Nesting.E4M3), False)

@@ -179,8 +179,8 @@ TABLES: dict[str, dict[str, dict[int, GemmConfig]]] = {
 # sm90 from 65 rows: at 96 and 127 rows the materialized path took 41.4 / 30.9 / 178.0 / 95.5 us (qkv / o / gate_up /
 # down) against the fused kernel's best tile 49.4 / 32.6 / 192.7 / 103.7 us and the bucketed tile's 111.5-390.8 us;
 # at 64 rows the fused kernel still won (32.8 vs 40.1 us on qkv). Session 16's full-mode probe
-# (benchmarks/kernels/results/h200-full-tiles-s16.json). sm90 from 257 rows since session 31: FULL_SM90_TALL below.
-MATERIALIZE_MIN_M = {"sm90": 257, "sm89": 128, "sm80": 128, "gfx942": 128, "gfx950": 128}
+# (benchmarks/kernels/results/h200-full-tiles-s16.json). With FULL_SM90_TALL_ON, sm90 from 257 rows (see below).
+MATERIALIZE_MIN_M = {"sm90": 65, "sm89": 128, "sm80": 128, "gfx942": 128, "gfx950": 128}
 # sm90 full mode at 17-32 rows: the PTX decode tile with a 32-row token tile and no split-K ran 20.5-20.9 / 15.1-15.6 /
 # 69.9-71.0 / 45.0-46.5 us on the four Llama-3.1-8B linears, against 30.7-33.7 / 22.8-23.0 / 112.2-123.9 / 67.3-68.6 us
 # for the bucket-64 tile (same probe): 0.71-0.94x of cuBLAS fp16 instead of 0.48-0.60x.
@@ -191,7 +191,10 @@ FULL_SM90_ROWS_32 = _G(32, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
 # row range and weight class the tile with the best geomean, at the split it was timed with. Against cuBLAS fp16 it
 # ran 0.60-0.66x (qkv), 0.66-0.68x (o), 0.89-0.98x (gate_up), 0.78-0.86x (down) up to 128 rows and 0.45-0.75x above,
 # where the materialized path these rows took before ran 0.37-0.46x on every shape. Classes: "wide" N > FP8_WIDE_N
-# (gate_up), "long_k" K >= LONG_K (down), "mid" N > 4096 (qkv), "narrow" (o).
+# (gate_up), "long_k" K >= LONG_K (down), "mid" N > 4096 (qkv), "narrow" (o). Off until these tiles' CUDA tests and
+# the GEMM table through the op have run on a GPU (ci/gpu/tall_tiles_base_launch_round.sh turns it on for its run):
+# only 128x64x64 and 128x128x64 of them have been checked against the pointer kernel's bits there (session 31).
+FULL_SM90_TALL_ON = False
 FULL_TMA_MIN_M, FULL_TMA_MAX_M = 65, 256
 FULL_SM90_TALL = {
     128: {"wide": _G(128, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, tma=True),
@@ -207,7 +210,7 @@ FULL_SM90_TALL = {
 
 def full_takes_tma(arch: str, m: int) -> bool:
     """Whether full mode at ``m`` rows runs FULL_SM90_TALL's TMA tiles (when the tensors suit TMA)."""
-    return arch == "sm90" and FULL_TMA_MIN_M <= m <= FULL_TMA_MAX_M
+    return FULL_SM90_TALL_ON and arch == "sm90" and FULL_TMA_MIN_M <= m <= FULL_TMA_MAX_M
 
 
 def _full_sm90_tall(m: int, n: int, k: int) -> GemmConfig:
@@ -220,6 +223,8 @@ def _full_sm90_tall(m: int, n: int, k: int) -> GemmConfig:
 
 def materializes_full(arch: str, m: int) -> bool:
     threshold = MATERIALIZE_MIN_M.get(arch)
+    if FULL_SM90_TALL_ON and arch == "sm90":
+        threshold = FULL_TMA_MAX_M + 1
     return threshold is not None and m >= threshold
 
 
