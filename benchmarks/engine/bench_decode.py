@@ -294,7 +294,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "l2_prefetch.L2_PREFETCH_SHARE (no values: off); default: the table's")
     p.add_argument("--skinny-plain-max-rows", type=int, default=None,
                    help="most rows a plain fp16 linear (lm_head; every linear of static-fp16) sends to the skinny "
-                        "kernel on this GPU (configs.SKINNY_MAX_M[arch]['plain']; 0: none); default: the table's")
+                        "kernel on this GPU (skinny_configs.SKINNY_MAX_M[arch]['plain']; 0: none); default: the "
+                        "table's")
     p.add_argument("--fp8-min-rows", type=int, default=None,
                    help="fp8 threshold for fp16 rows (o_proj) (nested_gemm.FP8_MIN_M); default: the table's")
     p.add_argument("--split-quant-max-rows", type=int, default=None,
@@ -324,7 +325,7 @@ def _mode_share(text: str) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from elastiserve.kernels import attention, configs, l2_prefetch, nested_gemm, silu_mul
+    from elastiserve.kernels import attention, l2_prefetch, nested_gemm, silu_mul, skinny_configs
     from elastiserve.platforms import current_platform
 
     args = parse_args(argv)
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  (l2_prefetch.L2_PREFETCH_SHARE, None if args.l2_prefetch is None else dict(args.l2_prefetch))]
     arch = current_platform().arch
     if args.skinny_plain_max_rows is not None:
-        overrides.append((configs.SKINNY_MAX_M, dict(configs.SKINNY_MAX_M.get(arch, {}),
+        overrides.append((skinny_configs.SKINNY_MAX_M, dict(skinny_configs.SKINNY_MAX_M.get(arch, {}),
                                                      plain=args.skinny_plain_max_rows)))
     saved = [dict(table) for table, _ in overrides]
     attention_stages = attention.NUM_STAGES

@@ -27,7 +27,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from elastiserve.kernels import attention, attention_kernels, configs, nested_gemm, nested_moe, skinny_gemm
+from elastiserve.kernels import (
+    attention,
+    attention_kernels,
+    configs,
+    nested_gemm,
+    nested_moe,
+    skinny_configs,
+    skinny_gemm,
+)
 from elastiserve.kernels.weight_decode import PLAIN
 
 ALIGNED_INTS = ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ln", "stride_os", "stride_om",
@@ -128,7 +136,7 @@ def gemm_report(arch: int) -> list[dict]:
     return rows
 
 
-def compile_skinny(mode: str, m_pad: int, config: configs.SkinnyConfig, arch: int, partial: bool = False,
+def compile_skinny(mode: str, m_pad: int, config: skinny_configs.SkinnyConfig, arch: int, partial: bool = False,
                    even_k: bool = True):
     fn = skinny_gemm._skinny_gemm_kernel
     plane = "*fp16" if mode == "plain" else "*u8"
@@ -157,9 +165,9 @@ def loop_facts(kernel) -> dict:
 
 def skinny_report(arch: int) -> list[dict]:
     rows = []
-    for mode in configs.SKINNY_MODES:
+    for mode in skinny_configs.SKINNY_MODES:
         for m_pad in (1, 2, 4, 8):
-            config = configs.skinny_config(f"sm{arch}", mode, m_pad, 6144, 4096, 132)
+            config = skinny_configs.skinny_config(f"sm{arch}", mode, m_pad, 6144, 4096, 132)
             kernel = compile_skinny(mode, m_pad, config, arch, partial=config.split_k > 1)
             row = {"kernel": "skinny_gemm", "mode": mode, "M_PAD": m_pad, "N": 6144, "K": 4096, "config": repr(config),
                    "defer": skinny_gemm.defers_reduction(config, m_pad, mode),

@@ -3,8 +3,8 @@
 For Llama-3.1-8B shapes and M in {1, 2, 4, 8}: torch.matmul fp16; ``nested_gemm`` with ``configs.choose_config``
 (full, weight_only: the tl.dot kernel, whatever ``SKINNY_MAX_M`` says); the skinny kernel in plain, full and
 weight_only modes over a short candidate list (``TILES_M1`` at M = 1, ``TILES_MULTI`` above; split-K from
-``configs.with_skinny_split``, the PTX decode for the nested modes). CUDA-graph replay over weight copies past the L2
-(bench_nested_gemm's method); each candidate's output is first checked against its reference. Prints one line per
+``skinny_configs.with_skinny_split``, the PTX decode for the nested modes). CUDA-graph replay over weight copies past
+the L2 (bench_nested_gemm's method); each candidate's output is first checked against its reference. Prints one line per
 (shape, M), then per (mode, shape, M) the best skinny config with its speed-up over torch fp16 and over the nested
 kernel (>1: skinny is faster); writes every timing to JSON with the weight bytes moved per second.
 ``compiled_variants`` counts the Triton compiles (under ``MAX_VARIANTS``) so the run, compiles included, stays well
@@ -30,9 +30,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nested_gemm import copies_for, graph_time_us, make_weights
 
-from elastiserve.kernels import configs, nested_gemm, skinny_gemm
-from elastiserve.kernels.configs import SkinnyConfig
+from elastiserve.kernels import configs, nested_gemm, skinny_configs, skinny_gemm
 from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.skinny_configs import SkinnyConfig
 from elastiserve.platforms import current_platform
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
@@ -55,7 +55,7 @@ DEVICE = "cuda"  # the CPU smoke test swaps in "cpu" (and fake weights and timer
 
 def candidates(mode: str, m: int, n: int, k: int, num_sms: int, tiles=None) -> list[SkinnyConfig]:
     tiles = tiles or (TILES_M1 if m == 1 else TILES_MULTI)
-    return [configs.with_skinny_split(SkinnyConfig(bn, bk, warps, NUM_STAGES, ptx_decode=mode != "plain"), n, k,
+    return [skinny_configs.with_skinny_split(SkinnyConfig(bn, bk, warps, NUM_STAGES, ptx_decode=mode != "plain"), n, k,
                                       num_sms) for bn, bk, warps in tiles]
 
 

@@ -23,7 +23,7 @@ report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
 from elastiserve.kernels import skinny_gemm
 rms_norm = importlib.import_module("elastiserve.kernels.rms_norm")
-from elastiserve.kernels.configs import SkinnyConfig
+from elastiserve.kernels.skinny_configs import SkinnyConfig
 
 def order(ptx):
     body = ptx[ptx.index(".entry"):]

@@ -20,9 +20,10 @@ import pytest
 import torch
 import triton
 
-from elastiserve.kernels import configs, formats, nested_gemm, skinny_gemm
-from elastiserve.kernels.configs import GemmConfig, SkinnyConfig
+from elastiserve.kernels import configs, formats, nested_gemm, skinny_configs, skinny_gemm
+from elastiserve.kernels.configs import GemmConfig
 from elastiserve.kernels.formats import Nesting
+from elastiserve.kernels.skinny_configs import SkinnyConfig
 from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu]  # and cuda where marked: the routing tests pin the interpreter's table
@@ -40,7 +41,7 @@ CASES = [
 
 
 def _config(config, m, n, k):
-    return config or configs.skinny_config("cpu", "plain", m, n, k, 1)
+    return config or skinny_configs.skinny_config("cpu", "plain", m, n, k, 1)
 
 
 def test_cases_cover_the_kernel_variants():
@@ -197,25 +198,25 @@ def test_config_validation(kwargs):
 
 
 def test_skinny_routing_follows_the_measured_table():
-    sm90 = {"plain": 2, "full": 2, "weight_only": 1}  # configs.SKINNY_MAX_M says where these come from
+    sm90 = {"plain": 2, "full": 2, "weight_only": 1}  # skinny_configs.SKINNY_MAX_M says where these come from
     for arch in configs.TABLES:
-        for mode in configs.SKINNY_MODES:
+        for mode in skinny_configs.SKINNY_MODES:
             for m in (1, 2, 3):
-                routed = configs.choose_skinny(arch, mode, m, 4096, 4096, 132)
+                routed = skinny_configs.choose_skinny(arch, mode, m, 4096, 4096, 132)
                 expected = arch == "cpu" or (arch == "sm90" and m <= sm90[mode])
                 assert (routed is not None) == expected, (arch, mode, m)
-    assert configs.choose_skinny("sm90", "full", 1, 6144, 4096, 132) == SkinnyConfig(8, 2048, 8, 3, 1, True)
-    assert configs.choose_skinny("sm90", "plain", 1, 6144, 4096, 132).ptx_decode is False
-    two_rows = configs.choose_skinny("sm90", "plain", 2, 128256, 4096, 132)  # lm_head at batch 2
+    assert skinny_configs.choose_skinny("sm90", "full", 1, 6144, 4096, 132) == SkinnyConfig(8, 2048, 8, 3, 1, True)
+    assert skinny_configs.choose_skinny("sm90", "plain", 1, 6144, 4096, 132).ptx_decode is False
+    two_rows = skinny_configs.choose_skinny("sm90", "plain", 2, 128256, 4096, 132)  # lm_head at batch 2
     assert (two_rows.block_n, two_rows.block_k, two_rows.num_warps, two_rows.split_k) == (4, 2048, 8, 1)
-    wide, narrow = (configs.choose_skinny("sm90", "weight_only", 1, n, 4096, 132) for n in (28672, 6144))
+    wide, narrow = (skinny_configs.choose_skinny("sm90", "weight_only", 1, n, 4096, 132) for n in (28672, 6144))
     assert (wide.block_n, wide.block_k, wide.num_warps) == (16, 1024, 8) and narrow.block_k == 2048
-    assert configs.choose_skinny("cpu", "fp8", 1, 64, 64, 2) is None
-    assert configs.choose_skinny("cpu", "full", 9, 64, 64, 2) is None
+    assert skinny_configs.choose_skinny("cpu", "fp8", 1, 64, 64, 2) is None
+    assert skinny_configs.choose_skinny("cpu", "full", 9, 64, 64, 2) is None
     with pytest.raises(ConfigError):
-        configs.choose_skinny("cpu", "bogus", 1, 64, 64, 2)
+        skinny_configs.choose_skinny("cpu", "bogus", 1, 64, 64, 2)
     with pytest.raises(ConfigError):
-        configs.skinny_config("cpu", "full", 9, 64, 64, 2)
+        skinny_configs.skinny_config("cpu", "full", 9, 64, 64, 2)
 
 
 def test_split_k_fills_the_sms():
@@ -223,11 +224,11 @@ def test_split_k_fills_the_sms():
     doubles them; gate_up (28672 columns) has programs enough and is not split. sm90's tabled tiles take the same
     rule (8-wide: 512 programs for o, no split), and its nested modes decode with PTX."""
     for n, k, split in ((4096, 4096, 2), (4096, 14336, 2), (28672, 4096, 1)):
-        assert configs.with_skinny_split(SkinnyConfig(16, 256), n, k, 132).split_k == split, (n, k)
-        for mode in configs.SKINNY_MODES:
-            config = configs.skinny_config("sm90", mode, 1, n, k, 132)
+        assert skinny_configs.with_skinny_split(SkinnyConfig(16, 256), n, k, 132).split_k == split, (n, k)
+        for mode in skinny_configs.SKINNY_MODES:
+            config = skinny_configs.skinny_config("sm90", mode, 1, n, k, 132)
             assert config.ptx_decode == (mode != "plain"), (n, k, config)
-            assert config == configs.with_skinny_split(config, n, k, 132), (n, k, config)  # the tile's own split
+            assert config == skinny_configs.with_skinny_split(config, n, k, 132), (n, k, config)  # the tile's own split
 
 
 def test_nested_gemm_routes_decode_rows_to_skinny(monkeypatch, device):
@@ -280,7 +281,7 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
-from elastiserve.kernels.configs import SkinnyConfig
+from elastiserve.kernels.skinny_configs import SkinnyConfig
 cases = [("plain", 1, SkinnyConfig(16, 256), False, True),
          ("full", 2, SkinnyConfig(16, 256, ptx_decode=True), True, False),
          ("weight_only", 8, SkinnyConfig(32, 256, num_warps=1, ptx_decode=True), False, True)]

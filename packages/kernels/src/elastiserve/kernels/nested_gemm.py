@@ -7,7 +7,7 @@ Modes (``MODE`` constexpr):
   ``tl.dot`` on fp8 operands; MI300 reads the OCP bytes as FNUZ (0x80 -> 0, scale doubled).
 
 Full and weight-only modes at decode sizes go to the GEMV-style kernel in ``skinny_gemm.py`` where
-``configs.SKINNY_MAX_M`` routes (arch, mode, M) there and no explicit ``config`` was passed.
+``skinny_configs.SKINNY_MAX_M`` routes (arch, mode, M) there and no explicit ``config`` was passed.
 
 Split-K configs sum their fp32 partials in ``_split_k_reduce_kernel``, or, where ``SPLIT_K_MERGE`` says so, in the
 GEMM launch itself: the last split of a tile to finish adds them up (``arrivals.py``), in the same order.
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from elastiserve.kernels import configs, formats
+from elastiserve.kernels import configs, formats, skinny_configs
 from elastiserve.kernels.arrivals import arrival_counters
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import (
@@ -198,7 +198,7 @@ def weight_scale(nesting: int, mode: str, fnuz: bool, weight_exp: int = 0) -> fl
     return prescale * (base * 2.0 if fnuz else base)  # an OCP byte read as FNUZ is value / 2
 
 
-def check_ptx_decode(config: configs.GemmConfig | configs.SkinnyConfig, platform) -> None:
+def check_ptx_decode(config: configs.GemmConfig | skinny_configs.SkinnyConfig, platform) -> None:
     """A tabled or explicit PTX decode that cannot run here raises instead of silently decoding portably."""
     if config.ptx_decode and (platform.vendor is not Vendor.NVIDIA or triton_interpret()):
         raise ConfigError(f"ptx_decode needs an NVIDIA GPU (not the interpreter); platform is {platform.arch}")
@@ -239,7 +239,7 @@ def nested_gemm(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bias:
         return torch.empty((m, n), dtype=torch.float16, device=x.device)
     platform = current_platform()
     if config is None:
-        skinny = configs.choose_skinny(platform.arch, mode, m, n, k, platform.num_sms)
+        skinny = skinny_configs.choose_skinny(platform.arch, mode, m, n, k, platform.num_sms)
         if skinny is not None:
             from elastiserve.kernels import skinny_gemm  # deferred: skinny_gemm imports this module at its top
 

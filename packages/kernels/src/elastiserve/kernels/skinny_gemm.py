@@ -28,7 +28,7 @@ warps) reduce through shared memory every step.
 
 Split-K writes fp32 partials [SPLIT_K, M, N] that ``nested_gemm.reduce_split_k`` sums (+ bias). Registered op:
 ``elastiserve::skinny_linear(x, weight, bias)`` (plain fp16); the nested modes are reached through
-``nested_gemm.nested_gemm`` (so ``elastiserve::nested_linear``), routed by ``configs.choose_skinny``. Pure-torch
+``nested_gemm.nested_gemm`` (so ``elastiserve::nested_linear``), routed by ``skinny_configs.choose_skinny``. Pure-torch
 reference: ``skinny_linear_ref`` (nested: ``nested_gemm.nested_linear_ref``).
 """
 
@@ -38,11 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from elastiserve.kernels import configs, nested_gemm
-from elastiserve.kernels.configs import SKINNY_MAX_ROWS, SkinnyConfig
+from elastiserve.kernels import nested_gemm, skinny_configs
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.l2_prefetch import prefetch_plan, prefetch_rows_l2
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
+from elastiserve.kernels.skinny_configs import SKINNY_MAX_ROWS, SkinnyConfig
 from elastiserve.kernels.weight_decode import PLAIN, load_weight_tile
 from elastiserve.platforms import ConfigError, current_platform
 
@@ -206,7 +206,7 @@ def _launch(x, w, lower, bias, mode: str, nesting: int, w_scale: float, config: 
         return out
     platform = current_platform()
     if config is None:
-        config = configs.skinny_config(platform.arch, mode, m, n, k, platform.num_sms)
+        config = skinny_configs.skinny_config(platform.arch, mode, m, n, k, platform.num_sms)
     nested_gemm.check_ptx_decode(config, platform)
     m_pad = triton.next_power_of_2(m)
     split = config.split_k
@@ -235,8 +235,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: SkinnyConfig | None = None) -> torch.Tensor:
     """Launch the skinny kernel on a plain weight: x fp16 [M <= 8, K], weight fp16 [N, K], bias fp16 [N] -> fp16 [M, N].
 
-    ``config`` None takes ``configs.skinny_config`` for this platform (whether or not the dispatch table would route
-    these sizes here); ``elastiserve::skinny_linear`` is the dispatching op.
+    ``config`` None takes ``skinny_configs.skinny_config`` for this platform (whether or not the dispatch table would
+    route these sizes here); ``elastiserve::skinny_linear`` is the dispatching op.
     """
     _check_plain(x, weight, bias)
     if config is not None and config.ptx_decode:
@@ -266,13 +266,14 @@ def skinny_nested(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, bia
 
 @torch.library.custom_op("elastiserve::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A plain fp16 linear: the skinny kernel where ``configs.choose_skinny`` routes these sizes, else torch's."""
+    """A plain fp16 linear: the skinny kernel where ``skinny_configs.choose_skinny`` routes these sizes, else
+    torch's."""
     _check_plain(x, weight, bias)
     platform = current_platform()
     if platform.kernel_backend == "reference":
         return skinny_linear_ref(x, weight, bias)
     m, k = x.shape
-    config = configs.choose_skinny(platform.arch, "plain", m, weight.shape[0], k, platform.num_sms)
+    config = skinny_configs.choose_skinny(platform.arch, "plain", m, weight.shape[0], k, platform.num_sms)
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
     return skinny_linear(x, weight, bias, config)

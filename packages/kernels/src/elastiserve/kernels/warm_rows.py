@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from elastiserve.kernels import configs
+from elastiserve.kernels import configs, skinny_configs
 from elastiserve.kernels.fp8_activations import quantizes_in_one_pass
 from elastiserve.kernels.nested_gemm import fast_mode_for
 from elastiserve.platforms import current_platform
@@ -36,11 +36,11 @@ def launch_key(m: int, n: int, k: int, arch: str | None = None, num_sms: int | N
     num_sms = platform.num_sms if num_sms is None else num_sms
     return (
         tuple(configs.choose_config(arch, mode, m, n, k, num_sms) for mode in configs.MODES),
-        tuple(configs.choose_skinny(arch, mode, m, n, k, num_sms) for mode in configs.SKINNY_MODES),
+        tuple(skinny_configs.choose_skinny(arch, mode, m, n, k, num_sms) for mode in skinny_configs.SKINNY_MODES),
         configs.materializes_full(arch, m),
         fast_mode_for(m), fast_mode_for(m, quantized_input=True, k=k),
         quantizes_in_one_pass(m, k),  # the quantizer before an fp8 GEMM on fp16 rows: one pass or a loop
-        m if m <= configs.SKINNY_MAX_ROWS else 0,  # the skinny kernel pads M to a power of two (a constexpr)
+        m if m <= skinny_configs.SKINNY_MAX_ROWS else 0,  # the skinny kernel pads M to a power of two (a constexpr)
     )
 
 

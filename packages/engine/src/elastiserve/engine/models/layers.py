@@ -21,7 +21,6 @@ from torch import nn
 
 from elastiserve.engine.models.config import ModelConfig, RopeConfig
 from elastiserve.kernels import skinny_gemm  # noqa: F401  (registers elastiserve::skinny_linear)
-from elastiserve.kernels.configs import SKINNY_MAX_ROWS
 from elastiserve.kernels.fp8_activations import Fp8Rows, platform_fnuz
 from elastiserve.kernels.rms_norm import (
     fused_add_rms_norm_quant_ref,
@@ -31,6 +30,7 @@ from elastiserve.kernels.rms_norm import (
 )
 from elastiserve.kernels.rotary import rotary_embedding_ref
 from elastiserve.kernels.silu_mul import silu_and_mul_quant_ref, silu_and_mul_ref
+from elastiserve.kernels.skinny_configs import SKINNY_MAX_ROWS
 
 # As attention_context.kernel_ops: Triton on the CPU is only interpreted (for the kernel tests), so the CPU gets the
 # references directly rather than through the ops.
