@@ -179,7 +179,7 @@ def bench_demote(shape: DecodeShape, device, pairs: int = 2048) -> list[Row]:
 # the op's choice) leads every row. "stages" (session 29): (TARGET pairs per tile, BASE pairs per tile, path 3's
 # BASE-launch pairs per tile, warps, pipeline stages); compiled for sm90 (compile_report.py), 3 stages give the
 # native kernel 96 registers and 14 async copies against 114 and 8 at 2 stages, and path 3's BASE launch 7 async
-# copies against 4 at the same 104 registers. "base-launch" (session 31): path 3's BASE launch alone, (pairs per tile,
+# copies against 4 at the same 104 registers. "base-launch" (session 32): path 3's BASE launch alone, (pairs per tile,
 # its KV splits as a multiple of the first launch's, its register cap): after ncu put that launch at 3.9 resident
 # programs of 16 warps a SM with issue slots 42 % busy (H100), more programs and fewer registers (96: 5 CTAs a SM, 80:
 # 6) are what could add resident warps; only the cases it touches are timed.

@@ -31,7 +31,7 @@ def main() -> None:
     shape = DecodeShape(batch=args.batch, context=args.context, layers=1)
     num_blocks, native, all_base, _, _, _ = build_tables(shape, device)
     cache = torch.randn(num_blocks, 1, 2, shape.kv_heads, shape.block_size, shape.head_dim, device=device).half()
-    # Random fp16 words hold low bytes that read as E5M2 inf / NaN when BASE (session 31's run printed non-finite
+    # Random fp16 words hold low bytes that read as E5M2 inf / NaN when BASE (session 32's run printed non-finite
     # all-BASE outputs): clearing bit 6 keeps every byte's exponent below all-ones, so both halves stay finite.
     cache = (cache.view(torch.int16) & ~0x40).view(torch.float16)
     q = torch.randn(shape.batch, shape.q_heads, shape.head_dim, device=device).half()

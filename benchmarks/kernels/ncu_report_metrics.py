@@ -4,7 +4,7 @@ A report is ``NVR\\0``, a 4-byte header length, the header, then length-prefixed
 profiled launch is one message holding repeated metric results (field 13: a metric-name index and a value message
 whose double is field 3, integer field 5, string field 1); the names are indices into the string table of the
 latest message that carries one (field 4: repeated strings under field 1). Decoded by the wire format alone (no
-schema); checked against the ncu 2025.3 report of session 31 (launch__grid_size, registers and gpu__time_duration
+schema); checked against the ncu 2025.3 report of session 32 (launch__grid_size, registers and gpu__time_duration
 read as the run's launches had them).
 
     python benchmarks/kernels/ncu_report_metrics.py report.ncu-rep --out metrics.json \\

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host (~5.5 min), session 31: the rest of `nox -s test-cuda` (control, engine, memory,
+# One device call on a one-GPU host (~5.5 min), session 32: the rest of `nox -s test-cuda` (control, engine, memory,
 # platforms; last on the GPU at 612d4f4), then Nsight Compute on the decode attention launches at batch 64 x 4,096
 # (benchmarks/kernels/ncu_attention.py): the native kernel beside path 3's all-BASE launches (1.50x native, target
 # 1.7x), to tell whether the BASE launch waits on memory (bytes in flight, the block-table load before each tile) or
 # on its per-token work (a 16-row query tile that GQA fills with 4 rows): occupancy, DRAM throughput, warp stalls,
-# tensor-pipe and issue use. Session 31's run printed no metrics (--export keeps them from stdout; hence --import
+# tensor-pipe and issue use. Session 32's run printed no metrics (--export keeps them from stdout; hence --import
 # afterwards); benchmarks/kernels/ncu_report_metrics.py reads a report without ncu.
 PART=rest SUITE_LIMIT=${SUITE_LIMIT:-250} bash ci/gpu/suite_part_round.sh
 source ci/gpu/bootstrap.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host (~7.5 min), session 31. Two changes measured after the session's first calls:
+# One device call on a one-GPU host (~7.5 min), session 32. Two changes measured after the session's first calls:
 # 1. Full mode at 65-256 rows on TMA tall tiles (configs.FULL_SM90_TALL, off until this round: FULL_SM90_TALL_ON)
 #    instead of the materialized weight: their CUDA tests (every table tile against the pointer kernel's bits, the op
 #    at every weight class with the tiles on and off), then the GEMM table of the four Llama-3.1-8B linears at 64-256
@@ -14,8 +14,8 @@ start_round
 R=$OUT/r; mkdir -p $R
 (time timeout ${TEST_LIMIT:-170} nox -s test-cuda -- tests/kernels/test_gemm_tma.py tests/kernels/test_merge_planes.py \
   tests/kernels/test_attention_cuda.py tests/kernels/test_nested_gemm.py -k \
-  "tma or merge or route or tall or base_launch or real_size_decode or op_matches") > $OUT/test-cuda-s31.log 2>&1
-grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-s31.log | tail -12
+  "tma or merge or route or tall or base_launch or real_size_decode or op_matches") > $OUT/test-cuda-s32.log 2>&1
+grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-s32.log | tail -12
 (cd benchmarks/kernels && timeout ${GEMM_LIMIT:-110} python3 bench_nested_gemm.py --no-moe --full-tall-tiles --m 64 96 128 192 256 \
   --shapes llama3.1-8b.qkv llama3.1-8b.o llama3.1-8b.gate_up llama3.1-8b.down --out $R/gemm-tall-rows.json \
   > $R/gemm-tall-rows.log 2>&1)

@@ -26,7 +26,7 @@ GPU_TILES = [GemmConfig(16, 64, 128, num_stages=4), GemmConfig(64, 128, 128, num
              GemmConfig(16, 128, 128, num_stages=4, split_k=4), GemmConfig(128, 256, 128, num_warps=8, swap_ab=False)]
 # Full mode on the GPU: the sm90 decode tile, it split, a 128-row token tile on 64 weight rows and on 128 (register-A
 # wgmma, the tall tiles of ci/gpu/full_tall_wgmma_round.sh).
-# Since session 31 the tall ones are full mode's table at 65-256 rows (configs.FULL_SM90_TALL), every one here.
+# Since session 32 the tall ones are full mode's table at 65-256 rows (configs.FULL_SM90_TALL), every one here.
 TALL_TILES = dict.fromkeys(replace(c, tma=False) for row in configs.FULL_SM90_TALL.values() for c in row.values())
 GPU_FULL_TILES = [GemmConfig(16, 32, 256, num_stages=4, ptx_decode=True),
                   GemmConfig(16, 32, 256, num_stages=4, ptx_decode=True, split_k=4), *TALL_TILES]

@@ -32,7 +32,7 @@ BASE_PAIRS_PER_TILE = 4  # a BASE pair is one packed block: twice the pairs for 
 # specialized as the JIT does for 128 (unspecialized: 128 against 204).
 SPLIT_BASE_PAIRS_PER_TILE = 2
 # Path 3's BASE launch: KV splits as a multiple of the first launch's, and a register cap (NVIDIA; None: the
-# compiler's 104). Session 31's ncu of that launch at batch 64 x 4,096 (H100, BENCHMARKS.md): 512 programs, 3.9
+# compiler's 104). Session 32's ncu of that launch at batch 64 x 4,096 (H100, BENCHMARKS.md): 512 programs, 3.9
 # resident a SM (16 warps: 25 % occupancy), issue slots 42 % busy at 9.2 cycles between a warp's instructions, DRAM
 # 82 % busy; more resident warps need both more programs and fewer registers (96 or fewer: 5 CTAs a SM, no spills;
 # 80: 6, 8 bytes spilled). Kept at 1 / None until a sweep times them (bench_attention.py --sweep).

@@ -186,14 +186,14 @@ MATERIALIZE_MIN_M = {"sm90": 65, "sm89": 128, "sm80": 128, "gfx942": 128, "gfx95
 # for the bucket-64 tile (same probe): 0.71-0.94x of cuBLAS fp16 instead of 0.48-0.60x.
 FULL_SM90_ROWS_32 = _G(32, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
 # sm90 full mode at 65-256 rows: tall token tiles fetched by TMA (gemm_tma), the decoded weight wgmma's register
-# operand A. H100 probe, session 31 (probe_fp8_tiles.py --mode full --tall-only --tma, raw
-# benchmarks/kernels/results/h100-full-tall-wgmma-s31.json; Llama-3.1-8B linears at 96 / 128 / 192 / 256 rows): per
+# operand A. H100 probe, session 32 (probe_fp8_tiles.py --mode full --tall-only --tma, raw
+# benchmarks/kernels/results/h100-full-tall-wgmma-s32.json; Llama-3.1-8B linears at 96 / 128 / 192 / 256 rows): per
 # row range and weight class the tile with the best geomean, at the split it was timed with. Against cuBLAS fp16 it
 # ran 0.60-0.66x (qkv), 0.66-0.68x (o), 0.89-0.98x (gate_up), 0.78-0.86x (down) up to 128 rows and 0.45-0.75x above,
 # where the materialized path these rows took before ran 0.37-0.46x on every shape. Classes: "wide" N > FP8_WIDE_N
 # (gate_up), "long_k" K >= LONG_K (down), "mid" N > 4096 (qkv), "narrow" (o). Off until these tiles' CUDA tests and
 # the GEMM table through the op have run on a GPU (ci/gpu/tall_tiles_base_launch_round.sh turns it on for its run):
-# only 128x64x64 and 128x128x64 of them have been checked against the pointer kernel's bits there (session 31).
+# only 128x64x64 and 128x128x64 of them have been checked against the pointer kernel's bits there (session 32).
 FULL_SM90_TALL_ON = False
 FULL_TMA_MIN_M, FULL_TMA_MAX_M = 65, 256
 FULL_SM90_TALL = {
