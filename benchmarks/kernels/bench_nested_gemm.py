@@ -230,7 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--full-tall-tiles", action="store_true",
                         help="full mode at 65-256 rows on sm90's TMA tall tiles (configs.FULL_SM90_TALL_ON)")
     args = parser.parse_args(argv)
-    configs.FULL_SM90_TALL_ON = args.full_tall_tiles or configs.FULL_SM90_TALL_ON
+    if args.full_tall_tiles:
+        configs.FULL_SM90_TALL_ON = True
     if not torch.cuda.is_available():
         print("this benchmark needs a GPU", file=sys.stderr)
         return 2

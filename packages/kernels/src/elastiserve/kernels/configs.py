@@ -223,9 +223,7 @@ def _full_sm90_tall(m: int, n: int, k: int) -> GemmConfig:
 
 def materializes_full(arch: str, m: int) -> bool:
     threshold = MATERIALIZE_MIN_M.get(arch)
-    if FULL_SM90_TALL_ON and arch == "sm90":
-        threshold = FULL_TMA_MAX_M + 1
-    return threshold is not None and m >= threshold
+    return threshold is not None and m >= threshold and not full_takes_tma(arch, m)
 
 
 # ---- grouped (MoE) GEMM: nested_moe.py ------------------------------------------------------------------------------
