@@ -191,6 +191,8 @@ SWEEPS = {
                     ((0, 2, 1, None), (0, 2, 1, 96), (0, 2, 2, None), (0, 2, 2, 96), (0, 2, 2, 80), (0, 2, 4, 96),
                      (0, 2, 4, 80), (0, 4, 2, 96)),
                     ("native", "all_base_split", "structured_15_split")),
+    # session 33: BASE words unpacked by Triton's 16-bit ops against two at a time in inline PTX
+    "unpack": (("UNPACK_BASE_PTX",), ((0, False), (0, True)), None),
 }
 
 

@@ -240,7 +240,7 @@ def compile_attention(path: int, base_pairs: int, splits: int, merge: bool, arch
              "NUM_SPLITS": max(splits, 1), "INTERPRETED": False, "PARTIALS": splits > 0 or path >= 3,
              "TOTAL_SPLITS": 2 * splits if path >= 3 else max(splits, 1), "SPLIT_BASE": splits if path == 4 else 0,
              "SPLIT_ALIGN": attention.TARGET_PAIRS_PER_TILE if path == 0 else attention.BASE_PAIRS_PER_TILE,
-             "MERGE": merge, "MERGE_ROWS": 4}
+             "MERGE": merge, "MERGE_ROWS": 4, "UNPACK_PTX": attention.UNPACK_BASE_PTX}
     aligned_ints = ALIGNED_INTS + (HEAD_DIM_ALIGNED if head_dim_aligned else ())
     return compile_kernel(fn, types, const, attention.NUM_WARPS, attention.NUM_STAGES, arch, aligned_ints=aligned_ints)
 

@@ -70,6 +70,25 @@ def test_real_size_base_launch_settings_equal_reference(factor, registers, monke
         torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("path", [STRUCTURED, GENERAL, STRUCTURED_SPLIT])
+@pytest.mark.parametrize("query_len", [1, 7])
+def test_ptx_base_unpack_gives_the_bits_of_triton_ops(path, query_len, monkeypatch):
+    # BASE words unpacked two at a time by inline PTX (attention.UNPACK_BASE_PTX) against Triton's 16-bit ops: the
+    # same fp16 values enter the same dots, so the outputs are equal bit for bit, decode and extend.
+    device = torch.device("cuda")
+    seq_lens = [4096, 1000, 2049, 17] * 2
+    batch = build_batch(device, seq_lens, [query_len] * 8, REAL_SIZE_BASE[path] * 2, kv_heads=8, group=4,
+                        head_dim=128)
+    _, bounds, modes = metadata(batch, device, path)
+    outputs = []
+    for ptx in (False, True):
+        monkeypatch.setattr(attention_mod, "UNPACK_BASE_PTX", ptx)
+        assert attention_mod.unpack_base_ptx() is ptx
+        outputs.append(run_attention(batch, path, bounds, modes))
+    assert torch.equal(outputs[0], outputs[1])
+    torch.testing.assert_close(outputs[1], run_attention(batch, path, bounds, modes, ref=True), atol=4e-3, rtol=1e-2)
+
+
 @pytest.mark.parametrize("path", [NATIVE, STRUCTURED, GENERAL, STRUCTURED_SPLIT])
 def test_real_size_decode_equals_reference(path):
     device = torch.device("cuda")

@@ -38,6 +38,11 @@ SPLIT_BASE_PAIRS_PER_TILE = 2
 # 80: 6, 8 bytes spilled). Kept at 1 / None until a sweep times them (bench_attention.py --sweep).
 BASE_LAUNCH_SPLIT_FACTOR = 1
 BASE_LAUNCH_MAX_REGISTERS: int | None = None
+# BASE words unpacked two at a time by one LOP3 and one PRMT in 32-bit registers (inline PTX, NVIDIA only): the BASE
+# loop of path 3's BASE launch drops from 535 to 439 instructions an iteration and from 104 to 96 registers (sm90,
+# compile_report.py; 5 CTAs a SM instead of 4); path 2's from 178 to 168 registers. A module switch so a sweep can
+# time both (bench_attention.py --sweep unpack).
+UNPACK_BASE_PTX = True
 MIN_PAIRS_PER_SPLIT = 8
 MAX_SPLITS = 16
 NUM_WARPS = 4
@@ -50,6 +55,12 @@ def base_launch_register_cap() -> dict:
     if BASE_LAUNCH_MAX_REGISTERS is None or triton_interpret() or current_platform().vendor is not Vendor.NVIDIA:
         return {}
     return {"maxnreg": BASE_LAUNCH_MAX_REGISTERS}
+
+
+def unpack_base_ptx() -> bool:
+    """Whether the kernels unpack BASE words with inline PTX: ``UNPACK_BASE_PTX`` on an NVIDIA GPU; the interpreter
+    and AMD take Triton's 16-bit ops (the same bits)."""
+    return UNPACK_BASE_PTX and not triton_interpret() and current_platform().vendor is Vendor.NVIDIA
 
 
 def split_counters(device: torch.device, entries: int) -> torch.Tensor:
@@ -146,6 +157,7 @@ def _paged_attention_triton(
     # Split ranges align to the tile the path reads: a BASE tile (BASE_PAIRS_PER_TILE) wherever BASE can occur, the
     # native path's own 2-pair tile otherwise, so a short context spreads over twice the programs.
     split_align = TARGET_PAIRS_PER_TILE if path == NATIVE else BASE_PAIRS_PER_TILE
+    unpack_ptx = unpack_base_ptx()
     for kernel_path, split_base, base_pairs, splits, options in launches:
         grid = (batch, num_kv_heads, splits if partials else num_q_blocks)
         paged_attention_kernel[grid](
@@ -160,7 +172,7 @@ def _paged_attention_triton(
             PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=base_pairs, PATH=kernel_path, NUM_SPLITS=splits,
             INTERPRETED=triton_interpret(), PARTIALS=partials, TOTAL_SPLITS=total_splits, SPLIT_BASE=split_base,
             SPLIT_ALIGN=split_align, MERGE=partials and kernel_path != 3, MERGE_ROWS=merge_rows,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options(), **options
+            UNPACK_PTX=unpack_ptx, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options(), **options
         )  # fmt: skip
     return out
 

@@ -53,6 +53,25 @@ def _online_softmax_step(acc, m_i, l_i, q, k_a, k_b, v_a, v_b, ok_a, ok_b, qk_sc
 
 
 @triton.jit
+def _unpack_base(words, PTX: tl.constexpr):
+    """Packed BASE words (an fp16 tile as loaded) (block A's byte high, block B's low) to the fp16 values of A (``w & 0xFF00``) and B
+    (``w << 8``). On the GPU two words at a time in one 32-bit register: one LOP3 and one PRMT per two words, where
+    Triton's 16-bit ops took an AND, a shift and two PRMTs to repack each pair for the MMA (sm90 SASS of the BASE loop:
+    64 PRMT + 64 shifts + 33 LOP3 of 535 instructions per iteration, the launch being issue-bound, BENCHMARKS.md)."""
+    if not PTX:
+        bits = words.to(tl.uint16, bitcast=True)
+        high = (bits & 0xFF00).to(tl.float16, bitcast=True)
+        low = (bits << 8).to(tl.float16, bitcast=True)
+    else:
+        # prmt selector 0x2404: result bytes (0, w0.lo, 0, w1.lo), byte 4 being the zero operand's
+        high, low = tl.inline_asm_elementwise(
+            "{ .reg .b32 zero; mov.b32 zero, 0; and.b32 $0, $2, 0xFF00FF00; prmt.b32 $1, $2, zero, 0x2404; }",
+            "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
+        )  # fmt: skip
+    return high, low
+
+
+@triton.jit
 def _tile_rows(first_pair, seq_len, pair_end, gap_at, gap_len, BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr,
                GAP: tl.constexpr):
     """Rows of a tile of PAIRS pairs: row r is token r % BS of logical blocks A and B of pair first + r // BS.
@@ -78,6 +97,7 @@ def _pair_tile(
     stride_block, stride_kv, stride_tok,
     seq_len, pair_end, head_dim, qk_scale, gap_at, gap_len,
     BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, GAP: tl.constexpr,
+    UNPACK_PTX: tl.constexpr,
 ):  # fmt: skip
     pair, offset, pos_a, pos_b, valid_a, valid_b = _tile_rows(first_pair, seq_len, pair_end, gap_at, gap_len,
                                                               BLOCK_SIZE, PAIRS, GAP)
@@ -89,12 +109,8 @@ def _pair_tile(
     k_mask_a = valid_a[:, None] & dim_ok[None, :]
     v_mask_a = k_mask_a
     if MODE == 1:
-        k_w = tl.load(k_tile_a, mask=k_mask_a, other=0.0).to(tl.uint16, bitcast=True)
-        v_w = tl.load(v_tile_a, mask=v_mask_a, other=0.0).to(tl.uint16, bitcast=True)
-        k_a = (k_w & 0xFF00).to(tl.float16, bitcast=True)
-        k_b = (k_w << 8).to(tl.float16, bitcast=True)
-        v_a = (v_w & 0xFF00).to(tl.float16, bitcast=True)
-        v_b = (v_w << 8).to(tl.float16, bitcast=True)
+        k_a, k_b = _unpack_base(tl.load(k_tile_a, mask=k_mask_a, other=0.0), UNPACK_PTX)
+        v_a, v_b = _unpack_base(tl.load(v_tile_a, mask=v_mask_a, other=0.0), UNPACK_PTX)
     else:
         if MODE == 2:
             base_row = tl.load(pm_row + pair, mask=valid_a, other=0) != 0
@@ -114,15 +130,15 @@ def _pair_tile(
             k_b = tl.load(k_tile_b, mask=k_mask_b, other=0.0)
             v_b = tl.load(v_tile_b, mask=v_mask_b, other=0.0)
         else:
-            k_w = tl.load(k_tile_a, mask=k_mask_a, other=0.0).to(tl.uint16, bitcast=True)
-            v_w = tl.load(v_tile_a, mask=v_mask_a, other=0.0).to(tl.uint16, bitcast=True)
-            k_wb = tl.load(k_tile_b, mask=k_mask_b, other=0.0).to(tl.uint16, bitcast=True)
-            v_wb = tl.load(v_tile_b, mask=v_mask_b, other=0.0).to(tl.uint16, bitcast=True)
+            k_w = tl.load(k_tile_a, mask=k_mask_a, other=0.0)
+            v_w = tl.load(v_tile_a, mask=v_mask_a, other=0.0)
+            k_high, k_low = _unpack_base(k_w, UNPACK_PTX)
+            v_high, v_low = _unpack_base(v_w, UNPACK_PTX)
             is_base = base_row[:, None]
-            k_a = tl.where(is_base, k_w & 0xFF00, k_w).to(tl.float16, bitcast=True)
-            v_a = tl.where(is_base, v_w & 0xFF00, v_w).to(tl.float16, bitcast=True)
-            k_b = tl.where(is_base, k_w << 8, k_wb).to(tl.float16, bitcast=True)
-            v_b = tl.where(is_base, v_w << 8, v_wb).to(tl.float16, bitcast=True)
+            k_a = tl.where(is_base, k_high, k_w)
+            v_a = tl.where(is_base, v_high, v_w)
+            k_b = tl.where(is_base, k_low, tl.load(k_tile_b, mask=k_mask_b, other=0.0))
+            v_b = tl.where(is_base, v_low, tl.load(v_tile_b, mask=v_mask_b, other=0.0))
     ok_a = valid_a[None, :] & (pos_a[None, :] <= qpos[:, None])
     ok_b = valid_b[None, :] & (pos_b[None, :] <= qpos[:, None])
     return _online_softmax_step(acc, m_i, l_i, q, k_a, k_b, v_a, v_b, ok_a, ok_b, qk_scale)
@@ -135,7 +151,7 @@ def _attend_pairs(
     stride_block, stride_kv, stride_tok,
     seq_len, pair_begin, pair_end, head_dim, qk_scale,
     BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr,
-    INTERPRETED: tl.constexpr, gap_at=0, gap_len=0, GAP: tl.constexpr = False,
+    INTERPRETED: tl.constexpr, UNPACK_PTX: tl.constexpr, gap_at=0, gap_len=0, GAP: tl.constexpr = False,
 ):  # fmt: skip
     """Attend to pairs [pair_begin, pair_end), PAIRS per iteration, all read in MODE (virtual pairs with GAP)."""
     if INTERPRETED:
@@ -146,7 +162,7 @@ def _attend_pairs(
             acc, m_i, l_i = _pair_tile(
                 acc, m_i, l_i, q, qpos, first_pair, kv_ptr, bt_row, pm_row, stride_block, stride_kv,
                 stride_tok, seq_len, pair_end, head_dim, qk_scale, gap_at, gap_len, BLOCK_SIZE, PAIRS, BLOCK_D, MODE,
-                GAP,
+                GAP, UNPACK_PTX,
             )  # fmt: skip
             first_pair += PAIRS
     else:
@@ -154,7 +170,7 @@ def _attend_pairs(
             acc, m_i, l_i = _pair_tile(
                 acc, m_i, l_i, q, qpos, first_pair, kv_ptr, bt_row, pm_row, stride_block, stride_kv,
                 stride_tok, seq_len, pair_end, head_dim, qk_scale, gap_at, gap_len, BLOCK_SIZE, PAIRS, BLOCK_D, MODE,
-                GAP,
+                GAP, UNPACK_PTX,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -188,6 +204,7 @@ def paged_attention_kernel(
     PAIRS: tl.constexpr, BASE_PAIRS: tl.constexpr, PATH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr, PARTIALS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, SPLIT_BASE: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr, MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, PDL: tl.constexpr = False,
+    UNPACK_PTX: tl.constexpr = False,
 ):  # fmt: skip
     """With PARTIALS each program writes its split's (acc, max, sum) to slot SPLIT_BASE + split of its (sequence,
     kv head); with MERGE the last program of a (sequence, kv head) to finish (``counters_ptr``, arrivals.py)
@@ -229,27 +246,27 @@ def paged_attention_kernel(
         if PATH == 0:
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, lo, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
+                seq_len, lo, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED, UNPACK_PTX,
             )  # fmt: skip
         elif PATH == 1:
             # TARGET [lo, base_lo) / BASE [base_lo, base_hi) / TARGET [base_hi, hi): no per-pair lookups.
             base_lo, base_hi = _base_range_in(bounds_ptr, seq, lo, hi)
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, lo, base_lo, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
+                seq_len, lo, base_lo, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED, UNPACK_PTX,
             )  # fmt: skip
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, base_lo, base_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED,
+                seq_len, base_lo, base_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED, UNPACK_PTX,
             )  # fmt: skip
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, base_hi, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED,
+                seq_len, base_hi, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0, INTERPRETED, UNPACK_PTX,
             )  # fmt: skip
         elif PATH == 2:
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, lo, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 2, INTERPRETED,
+                seq_len, lo, hi, head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 2, INTERPRETED, UNPACK_PTX,
             )  # fmt: skip
         elif PATH == 3:
             # The TARGET side of a structured batch launched on its own: [lo, base_lo) and [base_hi, hi) as one
@@ -258,7 +275,7 @@ def paged_attention_kernel(
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
                 seq_len, lo, hi - (base_hi - base_lo), head_dim, qk_scale, BLOCK_SIZE, PAIRS, BLOCK_D, 0,
-                INTERPRETED, base_lo, base_hi - base_lo, True,
+                INTERPRETED, UNPACK_PTX, base_lo, base_hi - base_lo, True,
             )  # fmt: skip
         else:
             # PATH 4, the BASE side: the BASE run [first, end) itself is cut into NUM_SPLITS ranges, so every
@@ -271,7 +288,7 @@ def paged_attention_kernel(
             used_base = tl.cdiv(end_base - first_base, tl.maximum(per_base, 1))
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, b_lo, b_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED,
+                seq_len, b_lo, b_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED, UNPACK_PTX,
             )  # fmt: skip
 
         if PARTIALS:
