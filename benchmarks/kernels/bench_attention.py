@@ -192,7 +192,12 @@ SWEEPS = {
                      (0, 2, 4, 80), (0, 4, 2, 96)),
                     ("native", "all_base_split", "structured_15_split")),
     # session 33: BASE words unpacked by Triton's 16-bit ops against two at a time in inline PTX
-    "unpack": (("UNPACK_BASE_PTX",), ((0, False), (0, True)), None),
+    "unpack": (("UNPACK_BASE_PTX",), ((0, False), (0, True)),
+               ("native", "all_base", "all_base_split", "structured_15", "general_15", "structured_15_split")),
+    # session 33: path 3's BASE launch with a warp a slice (attention.BASE_LAUNCH_SLICES), with its KV splits x1 / x2
+    "sliced": (("BASE_LAUNCH_SLICES", "BASE_LAUNCH_SPLIT_FACTOR"),
+               ((0, 0, 1), (0, 4, 1), (0, 4, 2), (0, 2, 1), (0, 2, 2)),
+               ("native", "all_base_split", "structured_15_split")),
 }
 
 

@@ -101,6 +101,21 @@ def test_base_launch_with_its_own_split_count_equals_reference(device, factor, n
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("slices, num_splits, head_dim", [(4, 1, 32), (2, 3, 32), (4, 4, 24)])
+def test_sliced_base_launch_equals_reference(device, slices, num_splits, head_dim, monkeypatch):
+    # Path 3's BASE launch with a warp a slice (attention.BASE_LAUNCH_SLICES): slices past the run's end empty, a
+    # one-pair run, a BASE pair with a partly filled B block (250 tokens), an odd head dim, and block size 8 (too
+    # small for the sliced dots), which keeps the shared loop.
+    monkeypatch.setattr(attention_mod, "BASE_LAUNCH_SLICES", slices)
+    for block_size, seq_lens in ((16, [300, 17, 250, 64]), (8, [150, 9, 125, 32])):
+        batch = build_batch(device, seq_lens, [1, 1, 1, 1], [[3, 4, 5, 6, 7], [], [2], [0, 1]], group=4,
+                            head_dim=head_dim, block_size=block_size)
+        _, bounds, modes = metadata(batch, device, STRUCTURED_SPLIT)
+        expected = run_attention(batch, STRUCTURED_SPLIT, bounds, modes, ref=True)
+        got = run_attention(batch, STRUCTURED_SPLIT, bounds, modes, num_splits=num_splits)
+        torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
+
+
 @pytest.mark.parametrize("path", [NATIVE, STRUCTURED, GENERAL, STRUCTURED_SPLIT])
 def test_more_splits_than_pairs_merge_only_the_filled_ones(device, path):
     # 16 splits over 1-10 pairs: trailing ranges are empty and the merge (the last program of each sequence and kv

@@ -54,12 +54,15 @@ REAL_SIZE_BASE = {
 }
 
 
-@pytest.mark.parametrize("factor, registers", [(2, None), (2, 96), (4, 80)])
-def test_real_size_base_launch_settings_equal_reference(factor, registers, monkeypatch):
-    # The base-launch sweep's settings (bench_attention.SWEEPS): more KV splits for path 3's BASE launch, a register
-    # cap (PTX .maxnreg; 80 spills a few bytes) - the same result as the reference at real sizes.
+@pytest.mark.parametrize("factor, registers, slices",
+                         [(2, None, 0), (2, 96, 0), (4, 80, 0), (1, None, 4), (2, None, 2)])
+def test_real_size_base_launch_settings_equal_reference(factor, registers, slices, monkeypatch):
+    # The base-launch and sliced sweeps' settings (bench_attention.SWEEPS): more KV splits for path 3's BASE launch, a
+    # register cap (PTX .maxnreg; 80 spills a few bytes), a warp a slice - the same result as the reference at real
+    # sizes.
     monkeypatch.setattr(attention_mod, "BASE_LAUNCH_SPLIT_FACTOR", factor)
     monkeypatch.setattr(attention_mod, "BASE_LAUNCH_MAX_REGISTERS", registers)
+    monkeypatch.setattr(attention_mod, "BASE_LAUNCH_SLICES", slices)
     device = torch.device("cuda")
     batch = build_batch(device, [4096, 1000, 2049, 17] * 4, [1] * 16, REAL_SIZE_BASE[STRUCTURED_SPLIT] * 4,
                         kv_heads=8, group=4, head_dim=128)

@@ -43,6 +43,12 @@ BASE_LAUNCH_MAX_REGISTERS: int | None = None
 # compile_report.py; 5 CTAs a SM instead of 4); path 2's from 178 to 168 registers. A module switch so a sweep can
 # time both (bench_attention.py --sweep unpack).
 UNPACK_BASE_PTX = True
+# Path 3's BASE launch with each warp on its own pairs and softmax state (attention_base_tile.attend_base_sliced),
+# BASE_LAUNCH_SLICES warps of one pair each, merged once at the end; 0 keeps the shared tile loop. sm90 compile
+# (session 33): 4 slices: 628 instructions an iteration for 128 tokens (19.6 warp-instructions a token against the
+# shared loop's 27.4), no barrier or shared-memory round trip in the loop, but 185 registers (2 CTAs a SM against
+# 5); 2 slices of 2 warps: 180 registers, 5 CTAs a SM. Off until a sweep times it (bench_attention.py --sweep sliced).
+BASE_LAUNCH_SLICES = 0
 MIN_PAIRS_PER_SPLIT = 8
 MAX_SPLITS = 16
 NUM_WARPS = 4
@@ -55,6 +61,14 @@ def base_launch_register_cap() -> dict:
     if BASE_LAUNCH_MAX_REGISTERS is None or triton_interpret() or current_platform().vendor is not Vendor.NVIDIA:
         return {}
     return {"maxnreg": BASE_LAUNCH_MAX_REGISTERS}
+
+
+def base_launch_slices(block_size: int) -> dict:
+    """Path 3's BASE launch options for ``BASE_LAUNCH_SLICES``: one warp a slice. The sliced loop's dots take a
+    block's tokens as their N, which ``tl.dot`` wants >= 16; smaller blocks keep the shared loop."""
+    if BASE_LAUNCH_SLICES <= 0 or block_size < 16:
+        return {}
+    return {"BASE_SLICES": BASE_LAUNCH_SLICES, "num_warps": BASE_LAUNCH_SLICES}
 
 
 def unpack_base_ptx() -> bool:
@@ -136,7 +150,7 @@ def _paged_attention_triton(
     if path == STRUCTURED_SPLIT:
         launches = [(3, 0, BASE_PAIRS_PER_TILE, num_splits, {}),
                     (4, num_splits, SPLIT_BASE_PAIRS_PER_TILE, num_splits * BASE_LAUNCH_SPLIT_FACTOR,
-                     base_launch_register_cap())]
+                     {**base_launch_register_cap(), **base_launch_slices(block_size)})]
     else:
         launches = [(path, 0, BASE_PAIRS_PER_TILE, num_splits, {})]
     total_splits = sum(launch[3] for launch in launches)
@@ -172,7 +186,7 @@ def _paged_attention_triton(
             PAIRS=TARGET_PAIRS_PER_TILE, BASE_PAIRS=base_pairs, PATH=kernel_path, NUM_SPLITS=splits,
             INTERPRETED=triton_interpret(), PARTIALS=partials, TOTAL_SPLITS=total_splits, SPLIT_BASE=split_base,
             SPLIT_ALIGN=split_align, MERGE=partials and kernel_path != 3, MERGE_ROWS=merge_rows,
-            UNPACK_PTX=unpack_ptx, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_options(), **options
+            UNPACK_PTX=unpack_ptx, **{"num_warps": NUM_WARPS, "num_stages": NUM_STAGES, **pdl_options(), **options}
         )  # fmt: skip
     return out
 

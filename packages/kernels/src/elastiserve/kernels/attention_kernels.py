@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from elastiserve.kernels.arrivals import last_to_arrive
+from elastiserve.kernels.attention_base_tile import attend_base_sliced, unpack_base
 from elastiserve.kernels.attention_merge import NEG_BIG, merge_partials
 from elastiserve.kernels.launch import wait_for_prior_grid
 
@@ -50,25 +51,6 @@ def _online_softmax_step(acc, m_i, l_i, q, k_a, k_b, v_a, v_b, ok_a, ok_b, qk_sc
     acc = tl.dot(p_a.to(v_a.dtype), v_a, acc)
     acc = tl.dot(p_b.to(v_b.dtype), v_b, acc)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _unpack_base(words, PTX: tl.constexpr):
-    """Packed BASE words (an fp16 tile as loaded) (block A's byte high, block B's low) to the fp16 values of A (``w & 0xFF00``) and B
-    (``w << 8``). On the GPU two words at a time in one 32-bit register: one LOP3 and one PRMT per two words, where
-    Triton's 16-bit ops took an AND, a shift and two PRMTs to repack each pair for the MMA (sm90 SASS of the BASE loop:
-    64 PRMT + 64 shifts + 33 LOP3 of 535 instructions per iteration, the launch being issue-bound, BENCHMARKS.md)."""
-    if not PTX:
-        bits = words.to(tl.uint16, bitcast=True)
-        high = (bits & 0xFF00).to(tl.float16, bitcast=True)
-        low = (bits << 8).to(tl.float16, bitcast=True)
-    else:
-        # prmt selector 0x2404: result bytes (0, w0.lo, 0, w1.lo), byte 4 being the zero operand's
-        high, low = tl.inline_asm_elementwise(
-            "{ .reg .b32 zero; mov.b32 zero, 0; and.b32 $0, $2, 0xFF00FF00; prmt.b32 $1, $2, zero, 0x2404; }",
-            "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
-        )  # fmt: skip
-    return high, low
 
 
 @triton.jit
@@ -109,8 +91,8 @@ def _pair_tile(
     k_mask_a = valid_a[:, None] & dim_ok[None, :]
     v_mask_a = k_mask_a
     if MODE == 1:
-        k_a, k_b = _unpack_base(tl.load(k_tile_a, mask=k_mask_a, other=0.0), UNPACK_PTX)
-        v_a, v_b = _unpack_base(tl.load(v_tile_a, mask=v_mask_a, other=0.0), UNPACK_PTX)
+        k_a, k_b = unpack_base(tl.load(k_tile_a, mask=k_mask_a, other=0.0), UNPACK_PTX)
+        v_a, v_b = unpack_base(tl.load(v_tile_a, mask=v_mask_a, other=0.0), UNPACK_PTX)
     else:
         if MODE == 2:
             base_row = tl.load(pm_row + pair, mask=valid_a, other=0) != 0
@@ -132,8 +114,8 @@ def _pair_tile(
         else:
             k_w = tl.load(k_tile_a, mask=k_mask_a, other=0.0)
             v_w = tl.load(v_tile_a, mask=v_mask_a, other=0.0)
-            k_high, k_low = _unpack_base(k_w, UNPACK_PTX)
-            v_high, v_low = _unpack_base(v_w, UNPACK_PTX)
+            k_high, k_low = unpack_base(k_w, UNPACK_PTX)
+            v_high, v_low = unpack_base(v_w, UNPACK_PTX)
             is_base = base_row[:, None]
             k_a = tl.where(is_base, k_high, k_w)
             v_a = tl.where(is_base, v_high, v_w)
@@ -204,7 +186,7 @@ def paged_attention_kernel(
     PAIRS: tl.constexpr, BASE_PAIRS: tl.constexpr, PATH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr, PARTIALS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, SPLIT_BASE: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr, MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, PDL: tl.constexpr = False,
-    UNPACK_PTX: tl.constexpr = False,
+    UNPACK_PTX: tl.constexpr = False, BASE_SLICES: tl.constexpr = 0, BASE_SLICE_PAIRS: tl.constexpr = 1,
 ):  # fmt: skip
     """With PARTIALS each program writes its split's (acc, max, sum) to slot SPLIT_BASE + split of its (sequence,
     kv head); with MERGE the last program of a (sequence, kv head) to finish (``counters_ptr``, arrivals.py)
@@ -257,7 +239,8 @@ def paged_attention_kernel(
             )  # fmt: skip
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, base_lo, base_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED, UNPACK_PTX,
+                seq_len, base_lo, base_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED,
+                UNPACK_PTX,
             )  # fmt: skip
             acc, m_i, l_i = _attend_pairs(
                 acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
@@ -286,10 +269,16 @@ def paged_attention_kernel(
             b_lo = tl.minimum(first_base + split * per_base, end_base)
             b_hi = tl.minimum(b_lo + per_base, end_base)
             used_base = tl.cdiv(end_base - first_base, tl.maximum(per_base, 1))
-            acc, m_i, l_i = _attend_pairs(
-                acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok,
-                seq_len, b_lo, b_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED, UNPACK_PTX,
-            )  # fmt: skip
+            if BASE_SLICES > 0:
+                acc, m_i, l_i = attend_base_sliced(
+                    q, qpos, kv_layer, bt_row, stride_block, stride_kv, stride_tok, seq_len, b_lo, b_hi, head_dim,
+                    qk_scale, BLOCK_M, BLOCK_SIZE, BLOCK_D, BASE_SLICES, BASE_SLICE_PAIRS, UNPACK_PTX, INTERPRETED,
+                )  # fmt: skip
+            else:
+                acc, m_i, l_i = _attend_pairs(
+                    acc, m_i, l_i, q, qpos, kv_layer, bt_row, pm_row, stride_block, stride_kv, stride_tok, seq_len,
+                    b_lo, b_hi, head_dim, qk_scale, BLOCK_SIZE, BASE_PAIRS, BLOCK_D, 1, INTERPRETED, UNPACK_PTX,
+                )  # fmt: skip
 
         if PARTIALS:
             # A partial keeps the first MERGE_ROWS rows, which hold every query row: 4 of 16 at Llama-8B's GQA group
