@@ -23,7 +23,7 @@ grep -iE "M=|full|shape" $R/gemm-tall-rows.log | head -40
 (cd benchmarks/kernels && timeout ${UNPACK_LIMIT:-100} python3 bench_attention.py --sweep unpack \
   --out $R/attention-unpack-64x4096.json > $R/attention-unpack-64x4096.log 2>&1)
 grep "^{" $R/attention-unpack-64x4096.log
-(cd benchmarks/kernels && timeout ${SLICED_LIMIT:-120} python3 bench_attention.py --sweep sliced \
+(cd benchmarks/kernels && timeout ${SLICED_LIMIT:-130} python3 bench_attention.py --sweep sliced \
   --out $R/attention-sliced-64x4096.json > $R/attention-sliced-64x4096.log 2>&1)
 grep -v "^\s*$" $R/attention-sliced-64x4096.log | tail -22
 cp $OUT/gpus.txt $R/; tar czf $OUT/results.tgz -C $OUT r && rm -rf $R
