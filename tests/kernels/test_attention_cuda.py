@@ -55,7 +55,7 @@ REAL_SIZE_BASE = {
 
 
 @pytest.mark.parametrize("factor, registers, slices",
-                         [(2, None, 0), (2, 96, 0), (4, 80, 0), (1, None, 4), (2, None, 2)])
+                         [(2, None, 0), (2, 96, 0), (4, 80, 0), (1, None, 4), (1, 168, 4), (2, None, 2)])
 def test_real_size_base_launch_settings_equal_reference(factor, registers, slices, monkeypatch):
     # The base-launch and sliced sweeps' settings (bench_attention.SWEEPS): more KV splits for path 3's BASE launch, a
     # register cap (PTX .maxnreg; 80 spills a few bytes), a warp a slice - the same result as the reference at real
