@@ -69,6 +69,27 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return int(re.search(r"Used (\d+) registers", text).group(1)), int(spills.group(1)) if spills else 0
 
 
+def sass_loops(kernel) -> list[dict[str, int]]:
+    """SASS instruction counts (opcode with its first modifier) of each loop body of ``kernel``, in code order: the
+    instructions from a label to a branch back to it (nvdisasm from Triton's own toolchain)."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        lines = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line)}
+    loops = []
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i:
+            body = "\n".join(lines[labels[target.group(1)]:i + 1])
+            ops = re.findall(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)?)", body)
+            if len(ops) > 1:  # not the trailing self-branch
+                loops.append({op: ops.count(op) for op in sorted(set(ops))})
+    return loops
+
+
 def facts(kernel, arch: int, threads: int) -> dict:
     regs, spills = ptxas_usage(kernel.asm["ptx"], arch)
     ops = {op: len(re.findall(rf"^\s*{op}\.", kernel.asm["ptx"], flags=re.M)) for op in DECODE_OPS}
@@ -220,16 +241,20 @@ def grouped_report(arch: int) -> list[dict]:
 # The attention rows: (path, BASE pairs per tile, KV splits, merge in the launch). Split decode (partials) merges in
 # its last program on every path but PATH 3, the first launch of the split structured path; 0 splits is the one-pass
 # kernel (prefill, and decode that fills the GPU without splits).
-ATTENTION_ROWS = ((0, 4, 0, False), (0, 4, 4, True), (0, 4, 16, True), (1, 4, 4, True), (1, 2, 4, True),
-                  (2, 4, 4, True), (3, 4, 4, False), (4, 4, 4, True), (4, 2, 4, True), (4, 2, 16, True))
+# (path, BASE pairs per tile, KV splits, merge, warp slices)
+ATTENTION_ROWS = ((0, 4, 0, False, 0), (0, 4, 4, True, 0), (0, 4, 16, True, 0), (1, 4, 4, True, 0), (1, 2, 4, True, 0),
+                  (2, 4, 4, True, 0), (3, 4, 4, False, 0), (4, 4, 4, True, 0), (4, 2, 4, True, 0), (4, 2, 16, True, 0),
+                  (4, 2, 16, True, 4), (4, 2, 16, True, 2))
 # The JIT specializes an int argument divisible by 16 as such: head_dim 128 and the q / out head strides (128) too,
 # which makes the dims mask constant over 16 lanes, so loads vectorize and the loops get async copies.
 HEAD_DIM_ALIGNED = ("head_dim", "stride_qh", "stride_oh")
 
 
-def compile_attention(path: int, base_pairs: int, splits: int, merge: bool, arch: int, head_dim_aligned: bool = True):
+def compile_attention(path: int, base_pairs: int, splits: int, merge: bool, arch: int, head_dim_aligned: bool = True,
+                      slices: int = 0):
     """``paged_attention_kernel`` for decode at Llama-8B's GQA (16-row tiles of 4 queries x 4 q heads, 4 rows kept
-    per partial), head dim 128, block size 16; ``splits`` 0 is the one-pass kernel."""
+    per partial), head dim 128, block size 16; ``splits`` 0 is the one-pass kernel; ``slices`` path 4's warp slices
+    (``attention.BASE_LAUNCH_SLICES``, one warp each)."""
     fn = attention_kernels.paged_attention_kernel
     types = {n: "i32" for n in fn.arg_names}
     types.update({"q_ptr": "*fp16", "out_ptr": "*fp16", "kv_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -240,20 +265,23 @@ def compile_attention(path: int, base_pairs: int, splits: int, merge: bool, arch
              "NUM_SPLITS": max(splits, 1), "INTERPRETED": False, "PARTIALS": splits > 0 or path >= 3,
              "TOTAL_SPLITS": 2 * splits if path >= 3 else max(splits, 1), "SPLIT_BASE": splits if path == 4 else 0,
              "SPLIT_ALIGN": attention.TARGET_PAIRS_PER_TILE if path == 0 else attention.BASE_PAIRS_PER_TILE,
-             "MERGE": merge, "MERGE_ROWS": 4, "UNPACK_PTX": attention.UNPACK_BASE_PTX}
+             "MERGE": merge, "MERGE_ROWS": 4, "UNPACK_PTX": attention.UNPACK_BASE_PTX, "BASE_SLICES": slices}
     aligned_ints = ALIGNED_INTS + (HEAD_DIM_ALIGNED if head_dim_aligned else ())
-    return compile_kernel(fn, types, const, attention.NUM_WARPS, attention.NUM_STAGES, arch, aligned_ints=aligned_ints)
+    return compile_kernel(fn, types, const, slices or attention.NUM_WARPS, attention.NUM_STAGES, arch,
+                          aligned_ints=aligned_ints)
 
 
 def attention_report(arch: int) -> list[dict]:
     """Each row twice: head_dim unknown (any head size) and head_dim specialized like 128 (what an 8B model runs)."""
     rows = []
-    for (path, base_pairs, splits, merge), head_dim_aligned in itertools.product(ATTENTION_ROWS, (False, True)):
-        kernel = compile_attention(path, base_pairs, splits, merge, arch, head_dim_aligned)
+    for (path, base_pairs, splits, merge, slices), head_dim_aligned in itertools.product(ATTENTION_ROWS, (False, True)):
+        kernel = compile_attention(path, base_pairs, splits, merge, arch, head_dim_aligned, slices)
         row = {"kernel": "paged_attention", "path": path, "base_pairs": base_pairs, "splits": splits, "merge": merge,
-               "head_dim_aligned": head_dim_aligned, **facts(kernel, arch, 32 * attention.NUM_WARPS)}
+               "slices": slices, "head_dim_aligned": head_dim_aligned,
+               **facts(kernel, arch, 32 * (slices or attention.NUM_WARPS))}
         rows.append(row)
         print(f"attention path {path} base_pairs {base_pairs} splits {splits:2d}{' merge' if merge else '      '}"
+              f"{f' slices {slices}' if slices else '         '}"
               f"{' head_dim%16' if head_dim_aligned else '            '}: regs {row['registers']:3d} "
               f"({row['ctas_per_sm_by_registers']} CTAs/SM)  spills {row['spill_store_bytes']:3d}  "
               f"smem {row['shared_bytes']:6d}  async copies {row['async_copies']}", flush=True)

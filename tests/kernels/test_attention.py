@@ -281,3 +281,28 @@ def test_merge_ptx_orders_partials_barrier_atomic_barrier_merge():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+_BASE_LOOPS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+print(json.dumps([report.sass_loops(report.compile_attention(4, 2, 16, True, 90, True, slices)) for slices in (0, 4)]))
+"""
+
+
+def test_sliced_base_loop_has_fewer_barriers_and_instructions_a_token():
+    """Path 3's BASE launch compiled for sm90 (on the CPU): the shared loop (2 pairs = 64 tokens an iteration, 4
+    warps) unpacks with one LOP3 and one PRMT per two words and no shifts; the sliced loop (a pair a warp, 128 tokens)
+    has only the pipeline's barriers and at most 0.8x the warp-instructions a token (session 33: 439 x 4 / 64 = 27.4 against
+    628 x 4 / 128 = 19.6)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _BASE_LOOPS, str(COMPILE_REPORT)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (shared,), (sliced,) = json.loads(done.stdout.splitlines()[-1])
+    assert shared["HMMA.16816"] == 32 and shared.get("IMAD.SHL", 0) == 0 and shared["PRMT"] == 32
+    # the pipeline's own 2 barriers an iteration stay; the shared loop's cross-warp reductions took 14 more
+    assert sliced["HMMA.16816"] == 64 and sliced["BAR.SYNC"] <= 2 and shared["BAR.SYNC"] >= 16
+    assert sum(sliced.values()) * 4 / 128 <= 0.8 * sum(shared.values()) * 4 / 64
