@@ -295,8 +295,8 @@ print(json.dumps([report.sass_loops(report.compile_attention(4, 2, 16, True, 90,
 def test_sliced_base_loop_has_fewer_barriers_and_instructions_a_token():
     """Path 3's BASE launch compiled for sm90 (on the CPU): the shared loop (2 pairs = 64 tokens an iteration, 4
     warps) unpacks with one LOP3 and one PRMT per two words and no shifts; the sliced loop (a pair a warp, 128 tokens)
-    has only the pipeline's barriers and at most 0.8x the warp-instructions a token (session 33: 439 x 4 / 64 = 27.4 against
-    628 x 4 / 128 = 19.6)."""
+    has only the pipeline's barriers and at most 0.8x the warp-instructions a token (session 33: 439 x 4 / 64 = 27.4
+    against 628 x 4 / 128 = 19.6)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _BASE_LOOPS, str(COMPILE_REPORT)], env=env, capture_output=True,
                           text=True, timeout=600)
