@@ -251,10 +251,10 @@ HEAD_DIM_ALIGNED = ("head_dim", "stride_qh", "stride_oh")
 
 
 def compile_attention(path: int, base_pairs: int, splits: int, merge: bool, arch: int, head_dim_aligned: bool = True,
-                      slices: int = 0):
+                      slices: int = 0, unpack_ptx: bool | None = None):
     """``paged_attention_kernel`` for decode at Llama-8B's GQA (16-row tiles of 4 queries x 4 q heads, 4 rows kept
     per partial), head dim 128, block size 16; ``splits`` 0 is the one-pass kernel; ``slices`` path 4's warp slices
-    (``attention.BASE_LAUNCH_SLICES``, one warp each)."""
+    (``attention.BASE_LAUNCH_SLICES``, one warp each); ``unpack_ptx`` None takes ``attention.UNPACK_BASE_PTX``."""
     fn = attention_kernels.paged_attention_kernel
     types = {n: "i32" for n in fn.arg_names}
     types.update({"q_ptr": "*fp16", "out_ptr": "*fp16", "kv_ptr": "*fp16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -265,7 +265,8 @@ def compile_attention(path: int, base_pairs: int, splits: int, merge: bool, arch
              "NUM_SPLITS": max(splits, 1), "INTERPRETED": False, "PARTIALS": splits > 0 or path >= 3,
              "TOTAL_SPLITS": 2 * splits if path >= 3 else max(splits, 1), "SPLIT_BASE": splits if path == 4 else 0,
              "SPLIT_ALIGN": attention.TARGET_PAIRS_PER_TILE if path == 0 else attention.BASE_PAIRS_PER_TILE,
-             "MERGE": merge, "MERGE_ROWS": 4, "UNPACK_PTX": attention.UNPACK_BASE_PTX, "BASE_SLICES": slices}
+             "MERGE": merge, "MERGE_ROWS": 4, "BASE_SLICES": slices,
+             "UNPACK_PTX": attention.UNPACK_BASE_PTX if unpack_ptx is None else unpack_ptx}
     aligned_ints = ALIGNED_INTS + (HEAD_DIM_ALIGNED if head_dim_aligned else ())
     return compile_kernel(fn, types, const, slices or attention.NUM_WARPS, attention.NUM_STAGES, arch,
                           aligned_ints=aligned_ints)

@@ -288,15 +288,16 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
-print(json.dumps([report.sass_loops(report.compile_attention(4, 2, 16, True, 90, True, slices)) for slices in (0, 4)]))
+kernels = [report.compile_attention(4, 2, 16, True, 90, True, slices, True) for slices in (0, 4)]
+print(json.dumps([report.sass_loops(kernel) for kernel in kernels]))
 """
 
 
 def test_sliced_base_loop_has_fewer_barriers_and_instructions_a_token():
-    """Path 3's BASE launch compiled for sm90 (on the CPU): the shared loop (2 pairs = 64 tokens an iteration, 4
-    warps) unpacks with one LOP3 and one PRMT per two words and no shifts; the sliced loop (a pair a warp, 128 tokens)
-    has only the pipeline's barriers and at most 0.8x the warp-instructions a token (session 33: 439 x 4 / 64 = 27.4
-    against 628 x 4 / 128 = 19.6)."""
+    """Path 3's BASE launch compiled for sm90 (on the CPU) with the PTX unpack: the shared loop (2 pairs = 64 tokens
+    an iteration, 4 warps) unpacks with one LOP3 and one PRMT per two words and no shifts; the sliced loop (a pair a
+    warp, 128 tokens) has only the pipeline's barriers and at most 0.8x the warp-instructions a token (session 33:
+    439 x 4 / 64 = 27.4 against 628 x 4 / 128 = 19.6)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _BASE_LOOPS, str(COMPILE_REPORT)], env=env, capture_output=True,
                           text=True, timeout=600)

@@ -63,6 +63,7 @@ def test_real_size_base_launch_settings_equal_reference(factor, registers, slice
     monkeypatch.setattr(attention_mod, "BASE_LAUNCH_SPLIT_FACTOR", factor)
     monkeypatch.setattr(attention_mod, "BASE_LAUNCH_MAX_REGISTERS", registers)
     monkeypatch.setattr(attention_mod, "BASE_LAUNCH_SLICES", slices)
+    monkeypatch.setattr(attention_mod, "UNPACK_BASE_PTX", slices > 0)  # as the sliced sweep runs it
     device = torch.device("cuda")
     batch = build_batch(device, [4096, 1000, 2049, 17] * 4, [1] * 16, REAL_SIZE_BASE[STRUCTURED_SPLIT] * 4,
                         kv_heads=8, group=4, head_dim=128)

@@ -40,9 +40,9 @@ BASE_LAUNCH_SPLIT_FACTOR = 1
 BASE_LAUNCH_MAX_REGISTERS: int | None = None
 # BASE words unpacked two at a time by one LOP3 and one PRMT in 32-bit registers (inline PTX, NVIDIA only): the BASE
 # loop of path 3's BASE launch drops from 535 to 439 instructions an iteration and from 104 to 96 registers (sm90,
-# compile_report.py; 5 CTAs a SM instead of 4); path 2's from 178 to 168 registers. A module switch so a sweep can
-# time both (bench_attention.py --sweep unpack).
-UNPACK_BASE_PTX = True
+# compile_report.py; 5 CTAs a SM instead of 4); path 2's from 178 to 168 registers. Off until its GPU tests and a
+# sweep have run (bench_attention.py --sweep unpack; CUDA test: the same bits as the 16-bit ops).
+UNPACK_BASE_PTX = False
 # Path 3's BASE launch with each warp on its own pairs and softmax state (attention_base_tile.attend_base_sliced),
 # BASE_LAUNCH_SLICES warps of one pair each, merged once at the end; 0 keeps the shared tile loop. sm90 compile
 # (session 33): 4 slices: 628 instructions an iteration for 128 tokens (19.6 warp-instructions a token against the
