@@ -198,7 +198,8 @@ SWEEPS = {
     # (168 registers: 3 CTAs of 4 slices a SM instead of 2, 12 bytes spilled, sm90 compile)
     # (the first row as shipped, the rest with the PTX unpack)
     "sliced": (("BASE_LAUNCH_SLICES", "BASE_LAUNCH_SPLIT_FACTOR", "BASE_LAUNCH_MAX_REGISTERS", "UNPACK_BASE_PTX"),
-               ((0, 0, 1, None, False), (0, 0, 1, None, True), (0, 4, 1, None, True), (0, 4, 2, None, True), (0, 4, 1, 168, True),
+               ((0, 0, 1, None, False), (0, 0, 1, None, True), (0, 4, 1, None, True), (0, 4, 2, None, True),
+                (0, 4, 1, 168, True),
                 (0, 2, 1, None, True), (0, 2, 2, None, True)),
                ("native", "all_base_split", "structured_15_split")),
 }
