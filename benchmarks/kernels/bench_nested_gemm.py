@@ -227,11 +227,12 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=[*SHAPES, *EXTRA_SHAPES])
     parser.add_argument("--tune", action="store_true", help="time candidate tile configs per shape first")
     parser.add_argument("--no-moe", action="store_true")
-    parser.add_argument("--full-tall-tiles", action="store_true",
-                        help="full mode at 65-256 rows on sm90's TMA tall tiles (configs.FULL_SM90_TALL_ON)")
+    parser.add_argument("--no-full-tall-tiles", action="store_true",
+                        help="full mode at 65-256 rows on the materialized weight, as before sm90's TMA tall tiles "
+                             "(configs.FULL_SM90_TALL_ON, on since session 33)")
     args = parser.parse_args(argv)
-    if args.full_tall_tiles:
-        configs.FULL_SM90_TALL_ON = True
+    if args.no_full_tall_tiles:
+        configs.FULL_SM90_TALL_ON = False
     if not torch.cuda.is_available():
         print("this benchmark needs a GPU", file=sys.stderr)
         return 2

@@ -57,7 +57,10 @@ def test_full_via_merged_weight_matches_fp16_gemm(device, weight_exp):
     assert err < 1e-2
 
 
-def test_many_row_full_mode_takes_the_merged_path_on_gpus():
+def test_many_row_full_mode_takes_the_merged_path_on_gpus(monkeypatch):
+    assert configs.materializes_full("sm90", 257) and not configs.materializes_full("sm90", 256)  # TMA rows below
+    assert configs.materializes_full("sm80", 128) and not configs.materializes_full("sm80", 127)
+    monkeypatch.setattr(configs, "FULL_SM90_TALL_ON", False)
     assert configs.materializes_full("sm90", 128) and not configs.materializes_full("sm90", 64)
     assert not configs.materializes_full("cpu", 4096)  # the interpreter keeps exercising the fused kernel
 
@@ -66,8 +69,7 @@ LLAMA_8B_CLASSES = {(28672, 4096): "wide", (4096, 14336): "long_k", (6144, 4096)
 
 
 def test_sm90_full_mode_takes_tma_tiles_at_65_to_256_rows(monkeypatch):
-    assert not configs.choose_config("sm90", "full", 100, 6144, 4096, 132).tma  # off until a GPU has run them
-    monkeypatch.setattr(configs, "FULL_SM90_TALL_ON", True)
+    assert configs.FULL_SM90_TALL_ON  # on since their GPU tests ran (session 33)
     assert configs.materializes_full("sm90", 257) and not configs.materializes_full("sm90", 256)
     for m in (65, 128, 129, 256):
         for (n, k), weight_class in LLAMA_8B_CLASSES.items():
@@ -84,6 +86,7 @@ def test_sm90_full_mode_takes_tma_tiles_at_65_to_256_rows(monkeypatch):
 def test_full_mode_route_by_rows_and_tensor_layout(monkeypatch):
     upper, lower = (torch.zeros(64, 256, dtype=torch.uint8) for _ in range(2))
     aligned = torch.zeros(100, 256, dtype=torch.float16)
+    monkeypatch.setattr(configs, "FULL_SM90_TALL_ON", False)
     assert nested_gemm.full_runs_merged("sm90", aligned, upper, lower)  # the TMA rows off: the merged weight
     monkeypatch.setattr(configs, "FULL_SM90_TALL_ON", True)
     strided = torch.zeros(100, 264, dtype=torch.float16)[:, 1:257]  # rows 16-byte aligned, the base is not

@@ -40,14 +40,17 @@ BASE_LAUNCH_SPLIT_FACTOR = 1
 BASE_LAUNCH_MAX_REGISTERS: int | None = None
 # BASE words unpacked two at a time by one LOP3 and one PRMT in 32-bit registers (inline PTX, NVIDIA only): the BASE
 # loop of path 3's BASE launch drops from 535 to 439 instructions an iteration and from 104 to 96 registers (sm90,
-# compile_report.py; 5 CTAs a SM instead of 4); path 2's from 178 to 168 registers. Off until its GPU tests and a
-# sweep have run (bench_attention.py --sweep unpack; CUDA test: the same bits as the 16-bit ops).
+# compile_report.py; 5 CTAs a SM instead of 4); path 2's from 178 to 168 registers. Bit-equal on an H100 (session 33),
+# but all-BASE there ran 201.4 us against 194.1 with the 16-bit ops (bench_attention.py --sweep sliced): off, until an
+# H200 (where the launch is shorter of issue slots) times it.
 UNPACK_BASE_PTX = False
 # Path 3's BASE launch with each warp on its own pairs and softmax state (attention_base_tile.attend_base_sliced),
 # BASE_LAUNCH_SLICES warps of one pair each, merged once at the end; 0 keeps the shared tile loop. sm90 compile
 # (session 33): 4 slices: 628 instructions an iteration for 128 tokens (19.6 warp-instructions a token against the
-# shared loop's 27.4), no barrier or shared-memory round trip in the loop, but 185 registers (2 CTAs a SM against
-# 5); 2 slices of 2 warps: 180 registers, 5 CTAs a SM. Off until a sweep times it (bench_attention.py --sweep sliced).
+# shared loop's 27.4 with the PTX unpack, 33.4 without), only the pipeline's 2 barriers in the loop (16 in the shared
+# one), but 185 registers (2 CTAs a SM against 5); 2 slices (2 warps): 180 registers, 5 CTAs a SM. On an H100
+# (session 33, --sweep sliced, all-BASE at 64 x 4,096): 4 slices 206.8 us, 2 slices 195.3, against the shared loop's
+# 194.1: off, until an H200 times it.
 BASE_LAUNCH_SLICES = 0
 MIN_PAIRS_PER_SPLIT = 8
 MAX_SPLITS = 16

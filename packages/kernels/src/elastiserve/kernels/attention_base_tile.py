@@ -7,7 +7,9 @@ and P goes through shared memory to become the PV dot's A operand. In path 3's B
 (ncu on an H100, session 32: issue slots 42 % busy, 9.2 cycles between a warp's issues; sm90 SASS, session 33: 16
 barriers an iteration). The sliced loop gives each warp a pair of its own: a 3-D tile [SLICES, rows, tokens] whose
 batch dimension is the warps', so reductions stay inside a warp; the slices' (acc, max, sum) are merged once at the
-end, as flash-decoding merges splits.
+end, as flash-decoding merges splits. On an H100 it was no faster (session 33: all-BASE at 64 x 4,096 in 195.3 us
+with 2 slices, 206.8 with 4, against the shared loop's 194.1; BENCHMARKS.md), so it ships off
+(``attention.BASE_LAUNCH_SLICES``).
 """
 
 from __future__ import annotations

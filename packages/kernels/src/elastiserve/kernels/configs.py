@@ -191,10 +191,12 @@ FULL_SM90_ROWS_32 = _G(32, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
 # row range and weight class the tile with the best geomean, at the split it was timed with. Against cuBLAS fp16 it
 # ran 0.60-0.66x (qkv), 0.66-0.68x (o), 0.89-0.98x (gate_up), 0.78-0.86x (down) up to 128 rows and 0.45-0.75x above,
 # where the materialized path these rows took before ran 0.37-0.46x on every shape. Classes: "wide" N > FP8_WIDE_N
-# (gate_up), "long_k" K >= LONG_K (down), "mid" N > 4096 (qkv), "narrow" (o). Off until these tiles' CUDA tests and
-# the GEMM table through the op have run on a GPU (ci/gpu/tall_tiles_base_launch_round.sh turns it on for its run):
-# only 128x64x64 and 128x128x64 of them have been checked against the pointer kernel's bits there (session 32).
-FULL_SM90_TALL_ON = False
+# (gate_up), "long_k" K >= LONG_K (down), "mid" N > 4096 (qkv), "narrow" (o). On since session 33: on an H100 every
+# tile of the table gave the pointer kernel's bits and the op matched the reference at 65-300 rows with them
+# (test_gemm_tma.py, test_nested_gemm.py, test_merge_planes.py: 50 passed), and the GEMM table through the op ran
+# qkv 0.64 / 0.65 / 0.45 / 0.47x and down 0.82 / 0.82 / 0.61 / 0.66x cuBLAS fp16 at 96 / 128 / 192 / 256 rows
+# (benchmarks/kernels/results/h100-gemm-tall-rows-s33.json). Off, these rows take the materialized weight again.
+FULL_SM90_TALL_ON = True
 FULL_TMA_MIN_M, FULL_TMA_MAX_M = 65, 256
 FULL_SM90_TALL = {
     128: {"wide": _G(128, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, tma=True),
