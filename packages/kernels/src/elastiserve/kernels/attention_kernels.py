@@ -198,7 +198,7 @@ def paged_attention_kernel(
     PAIRS: tl.constexpr, BASE_PAIRS: tl.constexpr, PATH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr, PARTIALS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, SPLIT_BASE: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr, MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, PDL: tl.constexpr = False,
-    UNPACK_PTX: tl.constexpr = False, BASE_SLICES: tl.constexpr = 0, BASE_SLICE_PAIRS: tl.constexpr = 1,
+    UNPACK_PTX: tl.constexpr = False, BASE_SLICES: tl.constexpr = 0,
 ):  # fmt: skip
     """With PARTIALS each program writes its split's (acc, max, sum) to slot SPLIT_BASE + split of its (sequence,
     kv head); with MERGE the last program of a (sequence, kv head) to finish (``counters_ptr``, arrivals.py)
@@ -284,7 +284,7 @@ def paged_attention_kernel(
             if BASE_SLICES > 0:
                 acc, m_i, l_i = attend_base_sliced(
                     q, qpos, kv_layer, bt_row, stride_block, stride_kv, stride_tok, seq_len, b_lo, b_hi, head_dim,
-                    qk_scale, BLOCK_M, BLOCK_SIZE, BLOCK_D, BASE_SLICES, BASE_SLICE_PAIRS, UNPACK_PTX, INTERPRETED,
+                    qk_scale, BLOCK_M, BLOCK_SIZE, BLOCK_D, BASE_SLICES, 1, UNPACK_PTX, INTERPRETED,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _attend_pairs(
