@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on a one-GPU host (~6 min), session 33, most telling first, each result straight into $OUT (a
 # call cut by its limit keeps what finished; 7 files):
-# 1. The attention CUDA tests: BASE words unpacked two at a time by inline PTX (attention.UNPACK_BASE_PTX, off until
-#    now) bit-equal to Triton's 16-bit ops; path 3's BASE launch with a warp a slice (BASE_LAUNCH_SLICES) at real
+# 1. The attention CUDA tests: BASE words unpacked two at a time by inline PTX (attention.UNPACK_BASE_PTX, off:
+#    kept off after this round) bit-equal to Triton's 16-bit ops; path 3's BASE launch with a warp a slice (BASE_LAUNCH_SLICES) at real
 #    sizes.
 # 2. bench_attention.py --sweep sliced at 64 x 4,096: as shipped, with the PTX unpack, then sliced (4 / 2 slices, KV
 #    splits x1 / x2, a 168-register cap), each beside the native path. sm90 compile: the PTX unpack takes the BASE
@@ -19,7 +19,7 @@ grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-attention-s33.log | tai
 (cd benchmarks/kernels && timeout ${SLICED_LIMIT:-130} python3 bench_attention.py --sweep sliced \
   --out $OUT/attention-sliced-64x4096.json > $OUT/attention-sliced-64x4096.log 2>&1)
 grep "^{" $OUT/attention-sliced-64x4096.log
-(time timeout ${TALL_TEST_LIMIT:-90} nox -s test-cuda -- tests/kernels/test_gemm_tma.py tests/kernels/test_merge_planes.py \
+(time timeout ${TALL_TEST_LIMIT:-150} nox -s test-cuda -- tests/kernels/test_gemm_tma.py tests/kernels/test_merge_planes.py \
   tests/kernels/test_nested_gemm.py -k "tma or merge or route or tall or op_matches") > $OUT/test-cuda-tall-s33.log 2>&1
 grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-tall-s33.log | tail -8
 (cd benchmarks/kernels && timeout ${GEMM_LIMIT:-90} python3 bench_nested_gemm.py --no-moe \
