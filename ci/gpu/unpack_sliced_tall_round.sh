@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on a one-GPU host (~6 min), session 33, most telling first, each result straight into $OUT (a
 # call cut by its limit keeps what finished; 7 files):
-# 1. The attention CUDA tests: BASE words unpacked two at a time by inline PTX (attention.UNPACK_BASE_PTX, off:
-#    kept off after this round) bit-equal to Triton's 16-bit ops; path 3's BASE launch with a warp a slice (BASE_LAUNCH_SLICES) at real
+# 1. The attention CUDA tests: BASE words unpacked two at a time by inline PTX (attention.UNPACK_BASE_PTX, off)
+#    bit-equal to Triton's 16-bit ops; path 3's BASE launch with a warp a slice (BASE_LAUNCH_SLICES, off) at real
 #    sizes.
 # 2. bench_attention.py --sweep sliced at 64 x 4,096: as shipped, with the PTX unpack, then sliced (4 / 2 slices, KV
 #    splits x1 / x2, a 168-register cap), each beside the native path. sm90 compile: the PTX unpack takes the BASE
