@@ -101,6 +101,18 @@ def test_base_launch_with_its_own_split_count_equals_reference(device, factor, n
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=1e-2)
 
 
+def test_ptx_unpack_only_where_the_gpu_runs_ptx(device, monkeypatch):
+    # attention.UNPACK_BASE_PTX asks for inline PTX; the interpreter (and AMD) keep Triton's 16-bit ops, so the switch
+    # on changes nothing there and the CPU results stay the reference's.
+    monkeypatch.setattr(attention_mod, "UNPACK_BASE_PTX", True)
+    assert attention_mod.unpack_base_ptx() is (device.type == "cuda")
+    batch = build_batch(device, [70, 130], [1, 1], [[0, 1], [1, 2, 3]], group=4, head_dim=32)
+    for path in (STRUCTURED, GENERAL, STRUCTURED_SPLIT):
+        _, bounds, modes = metadata(batch, device, path)
+        expected = run_attention(batch, path, bounds, modes, ref=True)
+        torch.testing.assert_close(run_attention(batch, path, bounds, modes), expected, atol=4e-3, rtol=1e-2)
+
+
 @pytest.mark.parametrize("slices, num_splits, head_dim", [(4, 1, 32), (2, 3, 32), (4, 4, 24)])
 def test_sliced_base_launch_equals_reference(device, slices, num_splits, head_dim, monkeypatch):
     # Path 3's BASE launch with a warp a slice (attention.BASE_LAUNCH_SLICES): slices past the run's end empty, a
