@@ -56,9 +56,14 @@ def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int, 
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def triton_tool(name: str) -> Path:
+    """A CUDA binary that Triton's wheel carries (ptxas, nvdisasm)."""
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """(registers per thread, bytes of spill stores) as ptxas -v reports them."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptxas = triton_tool("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
@@ -72,7 +77,7 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
 def sass_loops(kernel) -> list[dict[str, int]]:
     """SASS instruction counts (opcode with its first modifier) of each loop body of ``kernel``, in code order: the
     instructions from a label to a branch back to it (nvdisasm from Triton's own toolchain)."""
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    nvdisasm = triton_tool("nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])

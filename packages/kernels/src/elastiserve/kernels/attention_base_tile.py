@@ -43,13 +43,13 @@ def unpack_base(words, PTX: tl.constexpr):
 def attend_base_sliced(
     q, qpos, kv_ptr, bt_row, stride_block, stride_kv, stride_tok, seq_len, pair_begin, pair_end, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, SLICES: tl.constexpr,
-    SLICE_PAIRS: tl.constexpr, UNPACK_PTX: tl.constexpr, INTERPRETED: tl.constexpr,
+    UNPACK_PTX: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """(acc, max, sum) of the 16-row query tile ``q`` over the BASE pairs [pair_begin, pair_end), SLICES pairs an
-    iteration: slice s takes the SLICE_PAIRS pairs from first + s * SLICE_PAIRS. BLOCK_SIZE >= 16 (``tl.dot``'s
-    smallest N). The kernel passes SLICE_PAIRS 1: at 2, 4 slices took 255 registers and spilled 80 bytes (sm90)."""
+    iteration, slice s taking pair first + s. BLOCK_SIZE >= 16 (``tl.dot``'s smallest N). Two pairs a slice took 255
+    registers and spilled 80 bytes at 4 slices (sm90)."""
     slices = tl.arange(0, SLICES)
-    rows = tl.arange(0, SLICE_PAIRS * BLOCK_SIZE)
+    offsets = tl.arange(0, BLOCK_SIZE)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     q3 = tl.broadcast_to(q[None, :, :], (SLICES, BLOCK_M, BLOCK_D))
@@ -60,15 +60,15 @@ def attend_base_sliced(
         first_pair = pair_begin
         while first_pair < pair_end:
             acc, m_i, l_i = _sliced_step(
-                acc, m_i, l_i, q3, qpos, first_pair, slices, rows, dims, dim_ok, kv_ptr, bt_row, stride_block,
-                stride_kv, stride_tok, seq_len, pair_end, qk_scale, BLOCK_SIZE, SLICE_PAIRS, UNPACK_PTX,
+                acc, m_i, l_i, q3, qpos, first_pair, slices, offsets, dims, dim_ok, kv_ptr, bt_row, stride_block,
+                stride_kv, stride_tok, seq_len, pair_end, qk_scale, BLOCK_SIZE, UNPACK_PTX,
             )  # fmt: skip
-            first_pair += SLICES * SLICE_PAIRS
+            first_pair += SLICES
     else:
-        for first_pair in range(pair_begin, pair_end, SLICES * SLICE_PAIRS):
+        for first_pair in range(pair_begin, pair_end, SLICES):
             acc, m_i, l_i = _sliced_step(
-                acc, m_i, l_i, q3, qpos, first_pair, slices, rows, dims, dim_ok, kv_ptr, bt_row, stride_block,
-                stride_kv, stride_tok, seq_len, pair_end, qk_scale, BLOCK_SIZE, SLICE_PAIRS, UNPACK_PTX,
+                acc, m_i, l_i, q3, qpos, first_pair, slices, offsets, dims, dim_ok, kv_ptr, bt_row, stride_block,
+                stride_kv, stride_tok, seq_len, pair_end, qk_scale, BLOCK_SIZE, UNPACK_PTX,
             )  # fmt: skip
     # one merge of the slices, as of flash-decoding splits: an empty slice has max NEG_BIG and sum 0
     m_all = tl.max(m_i, 0)
@@ -80,20 +80,17 @@ def attend_base_sliced(
 
 @triton.jit
 def _sliced_step(
-    acc, m_i, l_i, q3, qpos, first_pair, slices, rows, dims, dim_ok, kv_ptr, bt_row, stride_block, stride_kv,
-    stride_tok, seq_len, pair_end, qk_scale, BLOCK_SIZE: tl.constexpr, SLICE_PAIRS: tl.constexpr,
-    UNPACK_PTX: tl.constexpr,
+    acc, m_i, l_i, q3, qpos, first_pair, slices, offsets, dims, dim_ok, kv_ptr, bt_row, stride_block, stride_kv,
+    stride_tok, seq_len, pair_end, qk_scale, BLOCK_SIZE: tl.constexpr, UNPACK_PTX: tl.constexpr,
 ):  # fmt: skip
-    # [SLICES, rows]: row r of slice s is token r % BLOCK_SIZE of pair first + s * SLICE_PAIRS + r // BLOCK_SIZE
-    pair = first_pair + slices[:, None] * SLICE_PAIRS + rows[None, :] // BLOCK_SIZE
-    offset = rows[None, :] % BLOCK_SIZE
+    pair = first_pair + slices
     in_range = pair < pair_end
-    pos_a = pair * (2 * BLOCK_SIZE) + offset
+    pos_a = pair[:, None] * (2 * BLOCK_SIZE) + offsets[None, :]  # [SLICES, BLOCK_SIZE]
     pos_b = pos_a + BLOCK_SIZE
-    valid_a = in_range & (pos_a < seq_len)
-    valid_b = in_range & (pos_b < seq_len)
+    valid_a = in_range[:, None] & (pos_a < seq_len)
+    valid_b = in_range[:, None] & (pos_b < seq_len)
     block = tl.load(bt_row + 2 * pair, mask=in_range, other=0).to(tl.int64)
-    k_tile = kv_ptr + block[:, :, None] * stride_block + offset[:, :, None] * stride_tok + dims[None, None, :]
+    k_tile = kv_ptr + block[:, None, None] * stride_block + offsets[None, :, None] * stride_tok + dims[None, None, :]
     mask = valid_a[:, :, None] & dim_ok[None, None, :]
     k_a, k_b = unpack_base(tl.load(k_tile, mask=mask, other=0.0), UNPACK_PTX)
     v_a, v_b = unpack_base(tl.load(k_tile + stride_kv, mask=mask, other=0.0), UNPACK_PTX)

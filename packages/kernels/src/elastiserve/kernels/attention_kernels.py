@@ -284,7 +284,7 @@ def paged_attention_kernel(
             if BASE_SLICES > 0:
                 acc, m_i, l_i = attend_base_sliced(
                     q, qpos, kv_layer, bt_row, stride_block, stride_kv, stride_tok, seq_len, b_lo, b_hi, head_dim,
-                    qk_scale, BLOCK_M, BLOCK_SIZE, BLOCK_D, BASE_SLICES, 1, UNPACK_PTX, INTERPRETED,
+                    qk_scale, BLOCK_M, BLOCK_SIZE, BLOCK_D, BASE_SLICES, UNPACK_PTX, INTERPRETED,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _attend_pairs(
