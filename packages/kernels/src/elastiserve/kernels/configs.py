@@ -47,8 +47,17 @@ class GemmConfig:
     # until the H200 has timed it against the pointer kernel (ci/gpu/fp8_tma_round.sh, full_tall_wgmma_round.sh);
     # probe candidates and explicit configs do.
     tma: bool = False
+    # TMA tiles only: the K loop split by Triton's warp specialization (``tl.range(warp_specialize=True)``): producer
+    # warps issue the bulk copies, the others decode and multiply. Compiled for sm90 offline (Triton 3.6) the
+    # full-mode 128x64x64 tile's consumer loop drops from 339 to 274 SASS instructions a K step (the copies and their
+    # barrier waits leave it); 8-warp tiles come out unspecialized and 4-warp tiles with a 256-wide block fail the
+    # pass, so those raise. No table row sets it until a GPU has timed it (bench_nested_gemm.py
+    # --full-tall-warp-specialize).
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
+        if self.warp_specialize and not (self.tma and self.num_warps == 4 and max(self.block_m, self.block_n) <= 128):
+            raise ConfigError(f"GemmConfig.warp_specialize needs tma=True, num_warps=4 and blocks <= 128: {self}")
         if self.max_registers is not None and not 24 <= self.max_registers <= 255:
             raise ConfigError(f"GemmConfig.max_registers={self.max_registers}: expected 24-255 or None")
         for name in ("block_m", "block_n", "block_k", "num_warps"):
