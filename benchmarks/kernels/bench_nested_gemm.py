@@ -15,7 +15,6 @@ import json
 import math
 import platform as host_platform
 import sys
-from dataclasses import replace
 
 import torch
 import triton
@@ -232,17 +231,13 @@ def main(argv=None) -> int:
                         help="full mode at 65-256 rows on the materialized weight, as before sm90's TMA tall tiles "
                              "(configs.FULL_SM90_TALL_ON, on since session 33)")
     parser.add_argument("--full-tall-min-rows", type=int, choices=range(33, 66), metavar="33-65",
-                        help="full mode's tall TMA tiles from this many rows (configs.FULL_TMA_MIN_M, 65 as shipped)")
-    parser.add_argument("--full-tall-warp-specialize", action="store_true",
-                        help="full mode's 4-warp 128-row tall tiles warp-specialized (GemmConfig.warp_specialize)")
+                        help="full mode's tall TMA tiles from this many rows for every weight class "
+                             "(configs.FULL_TMA_MIN_M_BY_CLASS: 33 for qkv / gate_up-like, 65 for the others)")
     args = parser.parse_args(argv)
     if args.no_full_tall_tiles:
         configs.FULL_SM90_TALL_ON = False
     if args.full_tall_min_rows is not None:
-        configs.FULL_TMA_MIN_M = args.full_tall_min_rows
-    if args.full_tall_warp_specialize:
-        configs.FULL_SM90_TALL[128] = {name: replace(c, warp_specialize=c.num_warps == 4)
-                                       for name, c in configs.FULL_SM90_TALL[128].items()}
+        configs.FULL_TMA_MIN_M_BY_CLASS = dict.fromkeys(configs.FULL_WEIGHT_CLASSES, args.full_tall_min_rows)
     if not torch.cuda.is_available():
         print("this benchmark needs a GPU", file=sys.stderr)
         return 2
@@ -263,7 +258,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(0), "arch": p.arch, "num_sms": p.num_sms,
         "fast_gemm": p.fast_gemm.value, "torch": torch.__version__, "triton": triton.__version__,
         "python": host_platform.python_version(), "settings": {"full_tall_tiles": configs.FULL_SM90_TALL_ON,
-        "full_tall_min_rows": configs.FULL_TMA_MIN_M, "full_tall_warp_specialize": args.full_tall_warp_specialize},
+        "full_tall_min_rows": configs.FULL_TMA_MIN_M_BY_CLASS},
         "timing": f"CUDA graph replay x{REPLAYS}, weights rotated "
         f"over >= {ROTATE_BYTES >> 20} MB", "dense": dense, "moe": moe, "summary": summarize(dense, moe),
     }

@@ -78,41 +78,6 @@ def test_tma_tiles_give_the_pointer_kernels_bits(device, outlier, mode):
             torch.testing.assert_close(tma.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-# Full mode's 4-warp 128-row tall tiles warp-specialized (GemmConfig.warp_specialize; no table row sets it yet):
-# the same K tiles summed in the same order, so the same bits as without, at a partial and a full row tile.
-WS_TILES = [replace(c, warp_specialize=True) for c in configs.FULL_SM90_TALL[128].values() if c.num_warps == 4]
-
-
-@pytest.mark.cpu
-@pytest.mark.cuda
-def test_warp_specialized_tiles_give_the_unspecialized_bits(device):
-    if device.type == "cpu":
-        cases = [((5, 48, 96), [GemmConfig(16, 32, 32, tma=True, warp_specialize=True)])]
-    else:
-        cases = [((m, n, k), WS_TILES) for m, n, k in [(33, 6144, 4096), (100, 4096, 4096), (128, 4096, 14336)]]
-    for (m, n, k), tiles in cases:
-        upper, lower, nesting, exp = layer(device, n, k, m + k, -40.0)  # E5M2: the decode's carry path
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(device)
-        ref = nested_gemm.nested_linear_ref(x, upper, lower, None, int(nesting), "full", weight_exp=exp)
-        for config in tiles:
-            specialized, plain = (nested_gemm.nested_gemm(x, upper, lower, None, nesting, "full", weight_exp=exp,
-                                                          config=replace(config, warp_specialize=ws))
-                                  for ws in (True, False))
-            assert torch.equal(specialized.view(torch.int16), plain.view(torch.int16)), (m, n, k, config)
-            torch.testing.assert_close(specialized.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-
-
-@pytest.mark.cpu
-def test_warp_specialize_is_refused_where_triton_cannot_apply_it():
-    with pytest.raises(ConfigError, match="warp_specialize"):
-        GemmConfig(128, 64, 64, warp_specialize=True)  # pointer tiles: no TMA copies to hand a producer
-    with pytest.raises(ConfigError, match="warp_specialize"):
-        GemmConfig(128, 128, 64, num_warps=8, tma=True, warp_specialize=True)  # compiles unspecialized
-    with pytest.raises(ConfigError, match="warp_specialize"):
-        GemmConfig(256, 64, 64, tma=True, warp_specialize=True)  # the pass fails
-    assert all(c.warp_specialize and c.tma for c in WS_TILES) and len(WS_TILES) == 3
-
-
 @pytest.mark.cuda
 def test_tma_tiles_replay_in_a_cuda_graph(device):
     upper, lower, nesting, _ = layer(device, 6144, 4096, 1)
@@ -179,45 +144,3 @@ def test_compiled_for_sm90_it_fetches_by_tma_and_multiplies_by_wgmma():
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["bulk"] > 0 and found["wgmma"] > 0 and found["cp_async"] == 0 and found["spills"] == 0, found
-
-
-_WS_SASS = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
-report = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(report)
-from elastiserve.kernels import configs, gemm_tma
-fn = gemm_tma._gemm_tma_kernel
-c = configs.FULL_SM90_TALL[128]["mid"]
-types = {n: "i32" for n in fn.arg_names}
-plane = f"tensordesc<u8[{c.block_n}, {c.block_k}]>"
-types.update({"x_desc": f"tensordesc<fp16[{c.block_m}, {c.block_k}]>", "w_desc": plane, "lower_desc": plane,
-              "x_scale_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp32", "final_ptr": "*fp16",
-              "counters_ptr": "*i32", "w_scale": "fp32"})
-found = {}
-for ws in (False, True):
-    const = {"stride_on": 1, "MODE": 0, "NESTING": 1, "PTX_DECODE": True, "HAS_BIAS": False, "SPLIT_K": c.split_k,
-             "SWAP_AB": True, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": 8,
-             "NUM_STAGES": c.num_stages, "WARP_SPECIALIZE": ws}
-    k = report.compile_kernel(fn, types, const, c.num_warps, c.num_stages, 90,
-                              aligned_ints=("N", "K", "k_per_split", "stride_om"))
-    main_loop = next(loop for loop in report.sass_loops(k) if loop.get("HGMMA.64"))  # the K loop: its MMAs
-    found[str(ws)] = {"partitions": k.asm["ttgir"].count("ttg.warp_specialize"), "loop": sum(main_loop.values()),
-                      "spills": report.ptxas_usage(k.asm["ptx"], 90)[1]}
-print(json.dumps(found))
-"""
-
-
-@pytest.mark.cpu
-def test_compiled_for_sm90_the_warp_specialized_k_loop_leaves_the_copies_to_a_producer():
-    """Offline sm90 SASS of full mode's 128x64x64 tall tile: one warp_specialize region, and the consumer's K loop
-    (the one with the wgmma) is shorter than the whole loop without it (274 against 339 instructions, Triton 3.6)."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _WS_SASS, str(COMPILE_REPORT)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.splitlines()[-1])
-    plain, specialized = found["False"], found["True"]
-    assert plain["partitions"] == 0 and specialized["partitions"] == 1, found
-    assert specialized["loop"] < 0.9 * plain["loop"] and plain["spills"] == specialized["spills"] == 0, found
-

@@ -68,16 +68,21 @@ def test_many_row_full_mode_takes_the_merged_path_on_gpus(monkeypatch):
 LLAMA_8B_CLASSES = {(28672, 4096): "wide", (4096, 14336): "long_k", (6144, 4096): "mid", (4096, 4096): "narrow"}
 
 
-def test_sm90_full_mode_takes_tma_tiles_at_65_to_256_rows(monkeypatch):
+def test_sm90_full_mode_takes_tma_tiles_at_65_to_256_rows_and_from_33_on_qkv_and_gate_up(monkeypatch):
     assert configs.FULL_SM90_TALL_ON  # on since their GPU tests ran (session 33)
     assert configs.materializes_full("sm90", 257) and not configs.materializes_full("sm90", 256)
-    for m in (65, 128, 129, 256):
+    for m in (33, 64, 65, 128, 129, 256):
         for (n, k), weight_class in LLAMA_8B_CLASSES.items():
             config = configs.choose_config("sm90", "full", m, n, k, 132)
-            assert config == configs.FULL_SM90_TALL[128 if m <= 128 else 256][weight_class], (m, n, k)
-            assert config.tma and config.ptx_decode
-    for m in (64, 257):
+            tall = m >= 65 or weight_class in ("wide", "mid")  # session 34: o and down keep the pointer tiles
+            assert config.tma == tall, (m, n, k)
+            if tall:
+                assert config == configs.FULL_SM90_TALL[128 if m <= 128 else 256][weight_class], (m, n, k)
+                assert config.ptx_decode
+    for m in (32, 257):
         assert not configs.choose_config("sm90", "full", m, 6144, 4096, 132).tma
+    monkeypatch.setattr(configs, "FULL_TMA_MIN_M_BY_CLASS", dict.fromkeys(configs.FULL_WEIGHT_CLASSES, 17))
+    assert configs.choose_config("sm90", "full", 32, 6144, 4096, 132) == configs.FULL_SM90_ROWS_32  # its rows first
     assert configs.choose_config("sm90", "full", 100, 6144, 256, 132).split_k == 1  # 4 K blocks: no split
     assert not configs.choose_config("sm90", "full", 100, 6144, 4096, 132, grouped=True).tma
     assert not configs.choose_config("sm80", "full", 100, 6144, 4096, 108).tma
@@ -94,4 +99,7 @@ def test_full_mode_route_by_rows_and_tensor_layout(monkeypatch):
     assert nested_gemm.full_runs_merged("sm90", strided, upper, lower)  # the materialized path, as before them
     assert nested_gemm.full_runs_merged("sm90", torch.zeros(300, 256, dtype=torch.float16), upper, lower)
     assert not nested_gemm.full_runs_merged("sm90", torch.zeros(64, 256, dtype=torch.float16), upper, lower)
+    wide_upper, wide_lower = (torch.zeros(28672, 256, dtype=torch.uint8) for _ in range(2))  # gate_up: TMA from 33
+    assert nested_gemm.full_runs_merged("sm90", strided[:48], wide_upper, wide_lower)
+    assert not nested_gemm.full_runs_merged("sm90", aligned[:48], wide_upper, wide_lower)
     assert not nested_gemm.full_runs_merged("cpu", strided, upper, lower)  # the interpreter: the fused kernel

@@ -47,17 +47,8 @@ class GemmConfig:
     # until the H200 has timed it against the pointer kernel (ci/gpu/fp8_tma_round.sh, full_tall_wgmma_round.sh);
     # probe candidates and explicit configs do.
     tma: bool = False
-    # TMA tiles only: the K loop split by Triton's warp specialization (``tl.range(warp_specialize=True)``): producer
-    # warps issue the bulk copies, the others decode and multiply. Compiled for sm90 offline (Triton 3.6) the
-    # full-mode 128x64x64 tile's consumer loop drops from 339 to 274 SASS instructions a K step (the copies and their
-    # barrier waits leave it); 8-warp tiles come out unspecialized and 4-warp tiles with a 256-wide block fail the
-    # pass, so those raise. No table row sets it until a GPU has timed it (bench_nested_gemm.py
-    # --full-tall-warp-specialize).
-    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
-        if self.warp_specialize and not (self.tma and self.num_warps == 4 and max(self.block_m, self.block_n) <= 128):
-            raise ConfigError(f"GemmConfig.warp_specialize needs tma=True, num_warps=4 and blocks <= 128: {self}")
         if self.max_registers is not None and not 24 <= self.max_registers <= 255:
             raise ConfigError(f"GemmConfig.max_registers={self.max_registers}: expected 24-255 or None")
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -194,19 +185,28 @@ MATERIALIZE_MIN_M = {"sm90": 65, "sm89": 128, "sm80": 128, "gfx942": 128, "gfx95
 # 69.9-71.0 / 45.0-46.5 us on the four Llama-3.1-8B linears, against 30.7-33.7 / 22.8-23.0 / 112.2-123.9 / 67.3-68.6 us
 # for the bucket-64 tile (same probe): 0.71-0.94x of cuBLAS fp16 instead of 0.48-0.60x.
 FULL_SM90_ROWS_32 = _G(32, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
-# sm90 full mode at 65-256 rows: tall token tiles fetched by TMA (gemm_tma), the decoded weight wgmma's register
-# operand A. H100 probe, session 32 (probe_fp8_tiles.py --mode full --tall-only --tma, raw
-# benchmarks/kernels/results/h100-full-tall-wgmma-s32.json; Llama-3.1-8B linears at 96 / 128 / 192 / 256 rows): per
-# row range and weight class the tile with the best geomean, at the split it was timed with. Against cuBLAS fp16 it
-# ran 0.60-0.66x (qkv), 0.66-0.68x (o), 0.89-0.98x (gate_up), 0.78-0.86x (down) up to 128 rows and 0.45-0.75x above,
-# where the materialized path these rows took before ran 0.37-0.46x on every shape. Classes: "wide" N > FP8_WIDE_N
-# (gate_up), "long_k" K >= LONG_K (down), "mid" N > 4096 (qkv), "narrow" (o). On since session 33: on an H100 every
-# tile of the table gave the pointer kernel's bits and the op matched the reference at 65-300 rows with them
-# (test_gemm_tma.py, test_nested_gemm.py, test_merge_planes.py: 50 passed), and the GEMM table through the op ran
-# qkv 0.64 / 0.65 / 0.45 / 0.47x and down 0.82 / 0.82 / 0.61 / 0.66x cuBLAS fp16 at 96 / 128 / 192 / 256 rows
+# sm90 full mode at 65-256 rows (33-256 on some classes, below): tall token tiles fetched by TMA (gemm_tma), the decoded
+# weight wgmma's register operand A. H100 probe, session 32 (probe_fp8_tiles.py --mode full --tall-only --tma, raw
+# benchmarks/kernels/results/h100-full-tall-wgmma-s32.json; Llama-3.1-8B linears at 96 / 128 / 192 / 256 rows): per row
+# range and weight class the tile with the best geomean, at the split it was timed with. Against cuBLAS fp16 it ran
+# 0.60-0.66x (qkv), 0.66-0.68x (o), 0.89-0.98x (gate_up), 0.78-0.86x (down) up to 128 rows and 0.45-0.75x above, where
+# the materialized path these rows took before ran 0.37-0.46x on every shape. Classes: "wide" N > FP8_WIDE_N (gate_up),
+# "long_k" K >= LONG_K (down), "mid" N > 4096 (qkv), "narrow" (o). On since session 33: on an H100 every tile of the
+# table gave the pointer kernel's bits and the op matched the reference at 65-300 rows with them (test_gemm_tma.py,
+# test_nested_gemm.py, test_merge_planes.py: 50 passed), and the GEMM table through the op ran qkv 0.64 / 0.65 / 0.45 /
+# 0.47x and down 0.82 / 0.82 / 0.61 / 0.66x cuBLAS fp16 at 96 / 128 / 192 / 256 rows
 # (benchmarks/kernels/results/h100-gemm-tall-rows-s33.json). Off, these rows take the materialized weight again.
 FULL_SM90_TALL_ON = True
-FULL_TMA_MIN_M, FULL_TMA_MAX_M = 65, 256
+FULL_TMA_MAX_M = 256
+FULL_WEIGHT_CLASSES = ("wide", "long_k", "mid", "narrow")
+# The first row count each weight class takes the tall tiles at; below it, down to 33, session 16's pointer tiles.
+# H100, session 34 (bench_nested_gemm.py --m 33 48 64 with and without --full-tall-min-rows 33, one call; raw
+# benchmarks/kernels/results/h100-gemm-tall-from-33-s34.json): at 33 / 48 / 64 rows the 128-row tile against the
+# pointer tile ran qkv 31.5 / 34.2 / 30.8 against 38.3 / 37.4 / 38.3 us and gate_up 121.3 / 115.2 / 106.4 against
+# 129.0 / 120.9 / 123.8 us (the zero rows TMA fills cost no weight traffic), but o 27.9 / 27.5 / 23.6 against 22.2 /
+# 22.0 / 22.3 and down 75.9 / 69.3 / 66.7 against 67.6 / 67.5 / 68.0: "mid" and "wide" from 33 rows, the others
+# from 65.
+FULL_TMA_MIN_M_BY_CLASS = {"wide": 33, "long_k": 65, "mid": 33, "narrow": 65}
 FULL_SM90_TALL = {
     128: {"wide": _G(128, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, tma=True),
           "long_k": _G(128, 64, 128, num_warps=4, num_stages=3, split_k=2, ptx_decode=True, tma=True),
@@ -219,22 +219,29 @@ FULL_SM90_TALL = {
 }
 
 
-def full_takes_tma(arch: str, m: int) -> bool:
-    """Whether full mode at ``m`` rows runs FULL_SM90_TALL's TMA tiles (when the tensors suit TMA)."""
-    return FULL_SM90_TALL_ON and arch == "sm90" and FULL_TMA_MIN_M <= m <= FULL_TMA_MAX_M
+def full_weight_class(n: int, k: int) -> str:
+    """FULL_SM90_TALL's class of an [N, K] weight: N > FP8_WIDE_N (gate_up), K >= LONG_K (down), N > 4096 (qkv)."""
+    return "wide" if n > FP8_WIDE_N else "long_k" if k >= LONG_K else "mid" if n > 4096 else "narrow"
+
+
+def full_takes_tma(arch: str, m: int, n: int, k: int) -> bool:
+    """Whether full mode at ``m`` rows on an [N, K] weight runs FULL_SM90_TALL's TMA tiles (when the tensors suit
+    TMA)."""
+    min_m = max(33, FULL_TMA_MIN_M_BY_CLASS[full_weight_class(n, k)])  # <= 32 rows: FULL_SM90_ROWS_32
+    return FULL_SM90_TALL_ON and arch == "sm90" and min_m <= m <= FULL_TMA_MAX_M
 
 
 def _full_sm90_tall(m: int, n: int, k: int) -> GemmConfig:
-    weight_class = "wide" if n > FP8_WIDE_N else "long_k" if k >= LONG_K else "mid" if n > 4096 else "narrow"
-    config = FULL_SM90_TALL[128 if m <= 128 else 256][weight_class]
+    config = FULL_SM90_TALL[128 if m <= 128 else 256][full_weight_class(n, k)]
     while config.split_k > 1 and -(-k // config.block_k) < 4 * config.split_k:  # short K: >= 4 K blocks a split
         config = replace(config, split_k=config.split_k // 2)
     return config
 
 
 def materializes_full(arch: str, m: int) -> bool:
-    threshold = MATERIALIZE_MIN_M.get(arch)
-    return threshold is not None and m >= threshold and not full_takes_tma(arch, m)
+    threshold = MATERIALIZE_MIN_M.get(arch)  # sm90's 65 is every class's tall-tile row or above
+    tall = FULL_SM90_TALL_ON and arch == "sm90" and m <= FULL_TMA_MAX_M
+    return threshold is not None and m >= threshold and not tall
 
 
 # ---- grouped (MoE) GEMM: nested_moe.py ------------------------------------------------------------------------------
@@ -303,7 +310,7 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int, *,
         return _fp8_sm90_config(m, n, k, num_sms)
     if arch == "sm90" and mode == "full" and 16 < m <= 32:
         return FULL_SM90_ROWS_32
-    if mode == "full" and full_takes_tma(arch, m) and not grouped:
+    if mode == "full" and full_takes_tma(arch, m, n, k) and not grouped:
         return _full_sm90_tall(m, n, k)
     config = TABLES.get(arch, _SM80)[mode][bucket]
     if arch == "sm90" and bucket <= 16 and k >= LONG_K and mode in _DECODE_LONG_K_BY_MODE:  # sm90 smem only

@@ -45,7 +45,6 @@ def _gemm_tma_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -64,7 +63,7 @@ def _gemm_tma_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+    for kk in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         w = w_desc.load([pid_n * BLOCK_N, kk])  # [BLOCK_N, BLOCK_K]; past N or K: zeros
         if MODE == 0:  # both planes -> the exact fp16 weight (a zero pair decodes to +0)
             low = lower_desc.load([pid_n * BLOCK_N, kk])
@@ -126,6 +125,5 @@ def launch_gemm_tma(x: torch.Tensor, x_scale: torch.Tensor | None, upper: torch.
         MODE=TMA_MODES[mode], NESTING=int(nesting), PTX_DECODE=config.ptx_decode,
         HAS_BIAS=bias is not None, SPLIT_K=split, SWAP_AB=config.swap_ab, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_STAGES=config.num_stages,
-        MERGE=merge, WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_options(),
+        MERGE=merge, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
     )

@@ -315,7 +315,7 @@ def full_runs_merged(arch: str, x: torch.Tensor, upper: torch.Tensor, lower: tor
     Rows that take TMA tiles (``configs.full_takes_tma``) take the materialized path where a tensor does not suit
     TMA (a strided or misaligned view), as they did before those tiles: a route, never a failed launch."""
     m = x.shape[0]
-    if configs.full_takes_tma(arch, m) and not all(tma_ready(t) for t in (x, upper, lower)):
+    if configs.full_takes_tma(arch, m, *upper.shape) and not all(tma_ready(t) for t in (x, upper, lower)):
         return True
     return configs.materializes_full(arch, m)
 
