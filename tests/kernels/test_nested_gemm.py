@@ -220,7 +220,7 @@ def test_quantize_per_token_bit_exact(device, m, k):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-# On a GPU also 48-300 rows: full mode there is the materialized weight and the vendor GEMM (MATERIALIZE_MIN_M) or,
+# On a GPU also 40-300 rows: full mode there is the materialized weight and the vendor GEMM (MATERIALIZE_MIN_M) or,
 # with configs.FULL_SM90_TALL_ON, on sm90 the TMA tiles up to 256 rows (each weight class at both row ranges, and
 # from 33 rows on qkv- and gate_up-like weights).
 GPU_OP_SHAPES = [(96, 4096, 4096), (200, 6144, 4096), (130, 16384, 1024), (65, 1024, 8192), (300, 4096, 4096),
