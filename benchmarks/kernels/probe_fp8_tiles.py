@@ -61,17 +61,24 @@ FULL_WGMMA_TALL_CANDIDATES = [
     (128, 64, 64, 4, 3), (128, 64, 128, 4, 3), (256, 64, 64, 4, 3), (256, 64, 64, 8, 3), (128, 128, 64, 8, 3),
     (256, 128, 64, 8, 3), (256, 128, 32, 8, 4),
 ]
+# Tall tiles on 256 weight rows (session 34, ``--wide-only``, TMA only): the shipped tall tiles move 4.0-5.4 TB/s
+# from L2 into the SMs if each 64- or 128-row weight tile re-reads its token tile (H100, session 34's table at 128
+# and 256 rows; e.g. qkv at 128 rows: 96 x 1 MB of activations beside 50 MB of planes in 31.8 us), so a wider weight
+# tile, which re-reads a quarter / half as often, may be what lifts them. Compiled for sm90 offline (Triton 3.6):
+# 128x256x64 at 8 warps 194 registers, 115 KB shared, no spills; 128x256x32 at 4 stages 174; 64x256x64 122.
+FULL_WIDE_TALL_CANDIDATES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 2), (128, 256, 32, 8, 4), (64, 256, 64, 8, 3)]
 FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 
 
 def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = False,
-                   tma: bool = False) -> list[configs.GemmConfig]:
+                   tma: bool = False, wide_only: bool = False) -> list[configs.GemmConfig]:
     """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split
-    (``tall_only``: full mode's tall token tiles alone; ``tma``: each tile also fetched by TMA, where it fits)."""
+    (``tall_only``: full mode's tall token tiles alone; ``tma``: each tile also fetched by TMA, where it fits;
+    ``wide_only``: full mode's 256-weight-row tall tiles alone, by TMA only)."""
     out = []
     if mode == "full":
         tall = FULL_TALL_CANDIDATES + FULL_WGMMA_TALL_CANDIDATES if m > 32 else []
-        rows = tall if tall_only else FULL_CANDIDATES + tall
+        rows = FULL_WIDE_TALL_CANDIDATES if wide_only else tall if tall_only else FULL_CANDIDATES + tall
         tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True) for bm, bn, bk, w, s in rows]
     else:
         rows = CANDIDATES + DECODE_CANDIDATES if m <= 16 else CANDIDATES
@@ -84,6 +91,9 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = 
         n_tiles = -(-m // bm) * -(-n // bn)
         split = configs._split_for_occupancy(n_tiles, -(-k // config.block_k), current_platform().num_sms)
         variants = [config] + ([replace(config, split_k=split)] if split > 1 else [])
+        if wide_only:
+            out += [replace(v, tma=True) for v in variants]
+            continue
         out += variants
         if tma and max(bm, bn, config.block_k) <= gemm_tma.TMA_MAX_BOX:
             out += [replace(v, tma=True) for v in variants]
@@ -115,7 +125,7 @@ def time_baselines(x, weights, mode: str) -> dict[str, float]:
 
 
 def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_only: bool = False,
-                tma: bool = False) -> None:
+                tma: bool = False, wide_only: bool = False) -> None:
     weights = make_weights(n, k, copies_for(n * k * 2))
     platform = current_platform()
     for m in m_values:
@@ -123,7 +133,7 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_
         row = {"shape": name, "N": n, "K": k, "M": m, "mode": mode, "us": time_baselines(x, weights, mode),
                "table_config": asdict(configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)),
                "candidates": []}
-        for config in candidates_for(m, n, k, mode, tall_only, tma):
+        for config in candidates_for(m, n, k, mode, tall_only, tma, wide_only):
             try:
                 us = time_mode(x, weights, config, mode)
             except Exception as exc:  # out of shared memory, say: recorded, not timed
@@ -164,12 +174,14 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=("fp8", "full"), default="fp8")
     parser.add_argument("--tall-only", action="store_true", help="full mode: the tall token tiles alone (M > 32)")
     parser.add_argument("--tma", action="store_true", help="each tile also fetched by TMA (gemm_tma)")
+    parser.add_argument("--wide-only", action="store_true",
+                        help="full mode: the 256-weight-row tall tiles alone, by TMA (FULL_WIDE_TALL_CANDIDATES)")
     args = parser.parse_args(argv)
     m_values = args.m or list(FULL_M_DEFAULT if args.mode == "full" else M_DEFAULT)
     rows: list[dict] = []
     for short in args.shapes:  # the file is rewritten after each shape, so a run cut by its time limit keeps them
         name = f"llama3.1-8b.{short}"
-        probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only, args.tma)
+        probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only, args.tma, args.wide_only)
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
     return 0
