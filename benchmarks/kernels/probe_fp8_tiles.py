@@ -62,10 +62,11 @@ FULL_WGMMA_TALL_CANDIDATES = [
     (256, 128, 64, 8, 3), (256, 128, 32, 8, 4),
 ]
 # Tall tiles on 256 weight rows (session 34, ``--wide-only``, TMA only): the shipped tall tiles move 4.0-5.4 TB/s
-# from L2 into the SMs if each 64- or 128-row weight tile re-reads its token tile (H100, session 34's table at 128
-# and 256 rows; e.g. qkv at 128 rows: 96 x 1 MB of activations beside 50 MB of planes in 31.8 us), so a wider weight
-# tile, which re-reads a quarter / half as often, may be what lifts them. Compiled for sm90 offline (Triton 3.6):
-# 128x256x64 at 8 warps 194 registers, 115 KB shared, no spills; 128x256x32 at 4 stages 174; 64x256x64 122.
+# from L2 into the SMs counting each 64- or 128-row weight tile's re-read of its token tile (H100, session 34's table
+# at 128 and 256 rows), below the 7.6-8.4 TB/s our fp8 GEMM moves at 1,024 rows by the same count: not the bytes but
+# the latency of each K step bounds them, and a wider weight tile runs 2-4x the MMAs per token tile fetched.
+# Compiled for sm90 offline (Triton 3.6): 128x256x64 at 8 warps 194 registers, 115 KB shared, no spills; 128x256x32
+# at 4 stages 174; 64x256x64 122.
 FULL_WIDE_TALL_CANDIDATES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 2), (128, 256, 32, 8, 4), (64, 256, 64, 8, 3)]
 FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 

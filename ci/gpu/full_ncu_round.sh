@@ -3,9 +3,9 @@
 # GEMMs (benchmarks/kernels/ncu_full_gemm.py) beside cuBLAS's fp16 GEMM on the same problems, to tell what the tall
 # TMA tile's K loop waits on at 64-256 rows (0.53-0.88x cuBLAS, issue 3's largest miss): stall reasons, issue slots,
 # tensor-pipe and DRAM throughput, registers and occupancy. The report is read as text here and again offline with
-# benchmarks/kernels/ncu_report_metrics.py. One hypothesis from counting bytes offline: a 64-weight-row tile re-reads
-# its 128-token activation tile from L2 once per 64 weight rows (qkv at 128 rows: 96 x 1 MB = 100 MB of L2 reads
-# beside 50 MB of weight planes, 4.7 TB/s into the SMs at the measured 32 us), so read the L2 throughput first.
+# benchmarks/kernels/ncu_report_metrics.py. Counting bytes offline, the tall tiles move 4.0-5.4 TB/s from L2 (token
+# tiles re-read once per weight tile) where our fp8 GEMM reaches 7.6-8.4 TB/s: the stall reasons of the K loop
+# (barrier waits on TMA, wgmma dependencies) are what to read first.
 source ci/gpu/bootstrap.sh
 set +e
 start_round

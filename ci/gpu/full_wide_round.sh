@@ -3,8 +3,9 @@
 # weight rows (probe_fp8_tiles.py --mode full --wide-only: 128x256x64 at 3 and 2 stages, 128x256x32, 64x256x64, each
 # at split-K 1 and the occupancy split, by TMA) beside cuBLAS fp16, the materialized path and the table's tile, on the
 # four Llama-3.1-8B linears at 48-256 rows. Offline byte count (BENCHMARKS.md, kernels, session 34): the shipped
-# 64- / 128-row weight tiles re-read their token tile from L2 so often that they move 4.0-5.4 TB/s into the SMs; a
-# 256-row weight tile re-reads it a quarter / half as often. A tile that wins at every row of a class becomes
+# 64- / 128-row weight tiles move 4.0-5.4 TB/s from L2, under the 7.6-8.4 TB/s our fp8 GEMM reaches, so the latency
+# of each K step bounds them; a 256-row weight tile runs 2-4x the MMAs per token tile. A tile that wins at every row
+# of a class becomes
 # configs.FULL_SM90_TALL's entry for it (then test_gemm_tma.py's bit test covers it). Result straight into $OUT.
 source ci/gpu/bootstrap.sh
 set +e
