@@ -58,11 +58,12 @@ def test_full_via_merged_weight_matches_fp16_gemm(device, weight_exp):
 
 
 def test_many_row_full_mode_takes_the_merged_path_on_gpus(monkeypatch):
-    assert configs.materializes_full("sm90", 257) and not configs.materializes_full("sm90", 256)  # TMA rows below
-    assert configs.materializes_full("sm80", 128) and not configs.materializes_full("sm80", 127)
+    merged = lambda arch, m: configs.materializes_full(arch, m, 6144, 4096)  # noqa: E731 (a qkv-shaped weight)
+    assert merged("sm90", 257) and not merged("sm90", 256)  # TMA rows below
+    assert merged("sm80", 128) and not merged("sm80", 127)
     monkeypatch.setattr(configs, "FULL_SM90_TALL_ON", False)
-    assert configs.materializes_full("sm90", 128) and not configs.materializes_full("sm90", 64)
-    assert not configs.materializes_full("cpu", 4096)  # the interpreter keeps exercising the fused kernel
+    assert merged("sm90", 128) and not merged("sm90", 64)
+    assert not merged("cpu", 4096)  # the interpreter keeps exercising the fused kernel
 
 
 LLAMA_8B_CLASSES = {(28672, 4096): "wide", (4096, 14336): "long_k", (6144, 4096): "mid", (4096, 4096): "narrow"}
@@ -70,7 +71,8 @@ LLAMA_8B_CLASSES = {(28672, 4096): "wide", (4096, 14336): "long_k", (6144, 4096)
 
 def test_sm90_full_mode_takes_tma_tiles_at_65_to_256_rows_and_from_33_on_qkv_and_gate_up(monkeypatch):
     assert configs.FULL_SM90_TALL_ON  # on since their GPU tests ran (session 33)
-    assert configs.materializes_full("sm90", 257) and not configs.materializes_full("sm90", 256)
+    for n, k in LLAMA_8B_CLASSES:
+        assert configs.materializes_full("sm90", 257, n, k) and not configs.materializes_full("sm90", 256, n, k)
     for m in (33, 64, 65, 128, 129, 256):
         for (n, k), weight_class in LLAMA_8B_CLASSES.items():
             config = configs.choose_config("sm90", "full", m, n, k, 132)

@@ -238,10 +238,10 @@ def _full_sm90_tall(m: int, n: int, k: int) -> GemmConfig:
     return config
 
 
-def materializes_full(arch: str, m: int) -> bool:
-    threshold = MATERIALIZE_MIN_M.get(arch)  # sm90's 65 is every class's tall-tile row or above
-    tall = FULL_SM90_TALL_ON and arch == "sm90" and m <= FULL_TMA_MAX_M
-    return threshold is not None and m >= threshold and not tall
+def materializes_full(arch: str, m: int, n: int, k: int) -> bool:
+    """Whether full mode at ``m`` rows on an [N, K] weight decodes it once and runs the vendor GEMM."""
+    threshold = MATERIALIZE_MIN_M.get(arch)
+    return threshold is not None and m >= threshold and not full_takes_tma(arch, m, n, k)
 
 
 # ---- grouped (MoE) GEMM: nested_moe.py ------------------------------------------------------------------------------

@@ -314,10 +314,10 @@ def full_runs_merged(arch: str, x: torch.Tensor, upper: torch.Tensor, lower: tor
     """Full mode's route for these rows: the materialized weight and the vendor GEMM (True) or the fused kernel.
     Rows that take TMA tiles (``configs.full_takes_tma``) take the materialized path where a tensor does not suit
     TMA (a strided or misaligned view), as they did before those tiles: a route, never a failed launch."""
-    m = x.shape[0]
-    if configs.full_takes_tma(arch, m, *upper.shape) and not all(tma_ready(t) for t in (x, upper, lower)):
+    m, (n, k) = x.shape[0], upper.shape
+    if configs.full_takes_tma(arch, m, n, k) and not all(tma_ready(t) for t in (x, upper, lower)):
         return True
-    return configs.materializes_full(arch, m)
+    return configs.materializes_full(arch, m, n, k)
 
 
 @torch.library.custom_op("elastiserve::nested_linear", mutates_args=())

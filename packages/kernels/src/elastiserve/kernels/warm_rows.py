@@ -37,7 +37,7 @@ def launch_key(m: int, n: int, k: int, arch: str | None = None, num_sms: int | N
     return (
         tuple(configs.choose_config(arch, mode, m, n, k, num_sms) for mode in configs.MODES),
         tuple(skinny_configs.choose_skinny(arch, mode, m, n, k, num_sms) for mode in skinny_configs.SKINNY_MODES),
-        configs.materializes_full(arch, m),
+        configs.materializes_full(arch, m, n, k),
         fast_mode_for(m), fast_mode_for(m, quantized_input=True, k=k),
         quantizes_in_one_pass(m, k),  # the quantizer before an fp8 GEMM on fp16 rows: one pass or a loop
         m if m <= skinny_configs.SKINNY_MAX_ROWS else 0,  # the skinny kernel pads M to a power of two (a constexpr)
