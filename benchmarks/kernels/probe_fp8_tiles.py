@@ -68,16 +68,29 @@ FULL_WGMMA_TALL_CANDIDATES = [
 # Compiled for sm90 offline (Triton 3.6): 128x256x64 at 8 warps 194 registers, 115 KB shared, no spills; 128x256x32
 # at 4 stages 174; 64x256x64 122.
 FULL_WIDE_TALL_CANDIDATES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 2), (128, 256, 32, 8, 4), (64, 256, 64, 8, 3)]
+# Full mode with the decoded weight stored to shared memory as wgmma's operand B (session 36, ``--smem-b``, TMA
+# only): tokens are operand A straight from the TMA tile, so each thread reads its weight bytes with LDS.128 (the
+# register-A tall tiles read two bytes at a time to fill wgmma's A fragment: 32 LDS.U16 and 128 PRMT a K step) and
+# stores the fp16 tile with STS.128. Compiled for sm90 offline (Triton 3.6), the K loop's SASS is 187-197
+# instructions on 128x128x64 (8 warps) and 256x128x64 against 339 on the shipped 128x64x64 register-A tile; the
+# loop waits for its wgmma each K step (one decoded buffer), so the overlap comes from 2-3 CTAs a SM. Registers
+# 100-187, shared 98-148 KB, no spills. Never timed before this round.
+FULL_SMEM_B_CANDIDATES = [(64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+                          (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2)]
 FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 
 
 def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = False,
-                   tma: bool = False, wide_only: bool = False) -> list[configs.GemmConfig]:
+                   tma: bool = False, wide_only: bool = False, smem_b: bool = False) -> list[configs.GemmConfig]:
     """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split
     (``tall_only``: full mode's tall token tiles alone; ``tma``: each tile also fetched by TMA, where it fits;
-    ``wide_only``: full mode's 256-weight-row tall tiles alone, by TMA only)."""
+    ``wide_only``: full mode's 256-weight-row tall tiles alone, by TMA only; ``smem_b``: full mode's tiles with the
+    decoded weight as wgmma's shared operand B, by TMA only)."""
     out = []
-    if mode == "full":
+    if mode == "full" and smem_b:
+        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True, swap_ab=False)
+                 for bm, bn, bk, w, s in FULL_SMEM_B_CANDIDATES]
+    elif mode == "full":
         tall = FULL_TALL_CANDIDATES + FULL_WGMMA_TALL_CANDIDATES if m > 32 else []
         rows = FULL_WIDE_TALL_CANDIDATES if wide_only else tall if tall_only else FULL_CANDIDATES + tall
         tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True) for bm, bn, bk, w, s in rows]
@@ -87,12 +100,12 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = 
     for config in tiles:
         bm, bn = config.block_m, config.block_n
         too_tall = bm > (16 if m <= 16 else max(32, 2 * m))
-        if too_tall or (m >= 1024 and bm < 64) or (mode == "full" and bm < 16 * -(-m // 64)):
+        if too_tall or (m >= 1024 and bm < 64) or (mode == "full" and not smem_b and bm < 16 * -(-m // 64)):
             continue
         n_tiles = -(-m // bm) * -(-n // bn)
         split = configs._split_for_occupancy(n_tiles, -(-k // config.block_k), current_platform().num_sms)
         variants = [config] + ([replace(config, split_k=split)] if split > 1 else [])
-        if wide_only:
+        if wide_only or smem_b:
             out += [replace(v, tma=True) for v in variants]
             continue
         out += variants
@@ -126,7 +139,7 @@ def time_baselines(x, weights, mode: str) -> dict[str, float]:
 
 
 def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_only: bool = False,
-                tma: bool = False, wide_only: bool = False) -> None:
+                tma: bool = False, wide_only: bool = False, smem_b: bool = False) -> None:
     weights = make_weights(n, k, copies_for(n * k * 2))
     platform = current_platform()
     for m in m_values:
@@ -134,7 +147,7 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_
         row = {"shape": name, "N": n, "K": k, "M": m, "mode": mode, "us": time_baselines(x, weights, mode),
                "table_config": asdict(configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)),
                "candidates": []}
-        for config in candidates_for(m, n, k, mode, tall_only, tma, wide_only):
+        for config in candidates_for(m, n, k, mode, tall_only, tma, wide_only, smem_b):
             try:
                 us = time_mode(x, weights, config, mode)
             except Exception as exc:  # out of shared memory, say: recorded, not timed
@@ -177,12 +190,15 @@ def main(argv=None) -> int:
     parser.add_argument("--tma", action="store_true", help="each tile also fetched by TMA (gemm_tma)")
     parser.add_argument("--wide-only", action="store_true",
                         help="full mode: the 256-weight-row tall tiles alone, by TMA (FULL_WIDE_TALL_CANDIDATES)")
+    parser.add_argument("--smem-b", action="store_true", help="full mode: the decoded weight as wgmma's shared "
+                        "operand B, by TMA (FULL_SMEM_B_CANDIDATES)")
     args = parser.parse_args(argv)
     m_values = args.m or list(FULL_M_DEFAULT if args.mode == "full" else M_DEFAULT)
     rows: list[dict] = []
     for short in args.shapes:  # the file is rewritten after each shape, so a run cut by its time limit keeps them
         name = f"llama3.1-8b.{short}"
-        probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only, args.tma, args.wide_only)
+        probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only, args.tma, args.wide_only,
+                    args.smem_b)
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
     return 0
