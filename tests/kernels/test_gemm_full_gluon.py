@@ -24,24 +24,27 @@ def planes(device, n, k, seed, outlier=None):
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=gen) * 0.3).half()
     if outlier is not None:
+        w[w.abs() < 2.0**-10] = 0.0  # so a 2^-2 prescale stays exact
         w[1, 2] = outlier
     nesting, exp, _ = formats.choose_nesting(w)
     upper, lower = formats.split(w, nesting, exp)
     return upper.to(device), lower.to(device), int(nesting), exp
 
 
-@pytest.mark.parametrize("outlier", [None, -40.0])  # E4M3 nesting, E5M2 nesting
+@pytest.mark.parametrize("outlier", [None, 5.0, -40.0])  # E4M3, E4M3 prescaled by 2^-2, E5M2
 @pytest.mark.cuda
 def test_gluon_full_gemm_matches_the_reference(device, outlier):
     from elastiserve.kernels.gemm_full_gluon import launch_full_gluon
     for m, n, k in ((1, 6144, 4096), (100, 6144, 4096), (300, 4000, 4160), (1000, 4096, 14336)):
         upper, lower, nesting, exp = planes(device, n, k, m + n, outlier)
-        assert exp == 0 and nesting == (1 if outlier is None else 2)
+        assert (nesting, exp) == {None: (1, 0), 5.0: (1, 2), -40.0: (2, 0)}[outlier]
         x = torch.randn(m, k, device=device).half()
-        ref = nested_gemm.nested_linear_ref(x, upper, lower, None, nesting, "full").float()
+        bias = torch.randn(n, device=device).half()
+        ref = nested_gemm.nested_linear_ref(x, upper, lower, bias, nesting, "full", weight_exp=exp).float()
         for tile in TILES:
             bm, bn, bk, stages, warps, split = tile
-            out = launch_full_gluon(x, upper, lower, nesting, bm, bn, bk, stages, warps, split).float()
+            out = launch_full_gluon(x, upper, lower, nesting, bm, bn, bk, stages, warps, split, bias=bias,
+                                    weight_exp=exp).float()
             err = float((out - ref).abs().max() / ref.abs().max())
             assert err < 2e-2, ((m, n, k), tile, err)
 
@@ -74,8 +77,9 @@ fn = gemm_full_gluon._full_gluon_kernel
 xl = gl.NVMMASharedLayout.get_default_for([128, 64], gl.float16)
 pl = gl.NVMMASharedLayout.get_default_for([128, 64], gl.uint8)
 types = {"x_desc": f"tensordesc<fp16[128, 64],{xl!r}>", "u_desc": f"tensordesc<u8[128, 64],{pl!r}>",
-         "l_desc": f"tensordesc<u8[128, 64],{pl!r}>", "out_ptr": "*fp16"}
-const = {"NESTING": 1, "BM": 128, "BN": 128, "BK": 64, "STAGES": 3, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 8}
+         "l_desc": f"tensordesc<u8[128, 64],{pl!r}>", "out_ptr": "*fp16", "bias_ptr": "*fp16", "w_scale": "fp32"}
+const = {"NESTING": 1, "HAS_BIAS": True, "BM": 128, "BN": 128, "BK": 64, "STAGES": 3, "GROUP_M": 8, "SPLIT_K": 1,
+         "num_warps": 8}
 signature = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("out_ptr", "N", "k_per_split", "stride_om")}
 src = GluonASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs)

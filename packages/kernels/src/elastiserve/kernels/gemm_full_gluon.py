@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from elastiserve.kernels import formats
 from elastiserve.kernels.weight_decode import _FULL_E4M3_PTX, _FULL_E5M2_PTX
 from elastiserve.platforms import ConfigError
 
@@ -59,9 +60,10 @@ def _issue_loads(x_desc, u_desc, l_desc, x_s, u_s, l_s, ready, step, slot, off_m
 
 
 @gluon.jit
-def _full_gluon_kernel(x_desc, u_desc, l_desc, out_ptr, M, N, k_per_split, stride_os, stride_om,
-                       NESTING: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                       STAGES: gl.constexpr, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr):
+def _full_gluon_kernel(x_desc, u_desc, l_desc, bias_ptr, out_ptr, M, N, k_per_split, stride_os, stride_om, w_scale,
+                       NESTING: gl.constexpr, HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                       BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr,
+                       num_warps: gl.constexpr):
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     num_m = gl.cdiv(M, BM)
@@ -111,12 +113,14 @@ def _full_gluon_kernel(x_desc, u_desc, l_desc, out_ptr, M, N, k_per_split, strid
         mbarrier.invalidate(ready.index(s))
 
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    result = gl.convert_layout(acc, out_layout)
+    result = gl.convert_layout(acc, out_layout) * w_scale  # 2^weight_exp: exact, 1.0 for an unscaled layer
     offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
     offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
+        if HAS_BIAS:
+            result += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
         gl.store(ptrs, result.to(gl.float16), mask=mask)
     else:
         gl.store(ptrs, result, mask=mask)
@@ -124,10 +128,10 @@ def _full_gluon_kernel(x_desc, u_desc, l_desc, out_ptr, M, N, k_per_split, strid
 
 def launch_full_gluon(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, nesting: int, block_m: int,
                       block_n: int, block_k: int = 64, num_stages: int = 3, num_warps: int = 4, split_k: int = 1,
-                      group_m: int = 8) -> torch.Tensor:
-    """fp16 ``x`` [M, K] times the weight the uint8 planes [N, K] nest (``nesting`` 1 = E4M3, 2 = E5M2, unscaled),
-    fp16 [M, N]. Tiles: wgmma takes 64 token rows a warpgroup (``block_m`` a multiple of 16 * num_warps) and
-    ``block_n`` weight rows up to 256."""
+                      group_m: int = 8, bias: torch.Tensor | None = None, weight_exp: int = 0) -> torch.Tensor:
+    """fp16 ``x`` [M, K] times the weight the uint8 planes [N, K] nest (``nesting`` 1 = E4M3, 2 = E5M2; planes of
+    ``w * 2^-weight_exp``), plus ``bias``: fp16 [M, N]. Tiles: wgmma takes 64 token rows a warpgroup (``block_m`` a
+    multiple of 16 * num_warps) and ``block_n`` weight rows up to 256."""
     if x.dtype != torch.float16 or upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
         raise ConfigError(f"full-mode Gluon GEMM takes fp16 rows and uint8 planes, got {x.dtype}, {upper.dtype}, "
                           f"{lower.dtype}")
@@ -148,7 +152,12 @@ def launch_full_gluon(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
     else:
         out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (-(-m // block_m) * -(-n // block_n), split_k)
-    _full_gluon_kernel[grid](x_desc, u_desc, l_desc, out, m, n, k_per_split, out.stride(0) if split_k > 1 else 0,
-                             out.stride(-2), NESTING=nesting, BM=block_m, BN=block_n, BK=block_k, STAGES=num_stages,
+    w_scale = 2.0 ** formats.check_weight_exp(weight_exp)
+    _full_gluon_kernel[grid](x_desc, u_desc, l_desc, bias if bias is not None else out, out, m, n, k_per_split,
+                             out.stride(0) if split_k > 1 else 0, out.stride(-2), w_scale, NESTING=nesting,
+                             HAS_BIAS=bias is not None, BM=block_m, BN=block_n, BK=block_k, STAGES=num_stages,
                              GROUP_M=group_m, SPLIT_K=split_k, num_warps=num_warps)
-    return out if split_k == 1 else out.sum(0).half()
+    if split_k == 1:
+        return out
+    total = out.sum(0)  # the partials in split order, one reduction (no in-launch merge yet)
+    return (total if bias is None else total + bias.float()).half()
