@@ -228,11 +228,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", action="store_true", help="time candidate tile configs per shape first")
     parser.add_argument("--no-moe", action="store_true")
     parser.add_argument("--no-full-tall-tiles", action="store_true",
-                        help="full mode at 65-256 rows on the materialized weight, as before sm90's TMA tall tiles "
-                             "(configs.FULL_SM90_TALL_ON, on since session 33)")
+                        help="full mode at 33-256 rows off sm90's TMA tiles: the materialized weight from 65 rows, "
+                             "the pointer tiles below (configs.FULL_SM90_TALL_ON, on since session 33)")
     parser.add_argument("--full-tall-min-rows", type=int, choices=range(33, 66), metavar="33-65",
-                        help="full mode's tall TMA tiles from this many rows for every weight class "
-                             "(configs.FULL_TMA_MIN_M_BY_CLASS: 33 for qkv / gate_up-like, 65 for the others)")
+                        help="full mode's TMA tiles from this many rows for every weight class "
+                             "(configs.FULL_TMA_MIN_M_BY_CLASS: 33 for every class since session 36)")
     args = parser.parse_args(argv)
     if args.no_full_tall_tiles:
         configs.FULL_SM90_TALL_ON = False

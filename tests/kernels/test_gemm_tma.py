@@ -24,16 +24,11 @@ from elastiserve.platforms import ConfigError
 TILES = [GemmConfig(16, 32, 32), GemmConfig(32, 16, 64, swap_ab=False), GemmConfig(16, 32, 32, split_k=2)]
 GPU_TILES = [GemmConfig(16, 64, 128, num_stages=4), GemmConfig(64, 128, 128, num_stages=4, swap_ab=False),
              GemmConfig(16, 128, 128, num_stages=4, split_k=4), GemmConfig(128, 256, 128, num_warps=8, swap_ab=False)]
-# Full mode on the GPU: the sm90 decode tile, it split, a 128-row token tile on 64 weight rows and on 128 (register-A
-# wgmma, the tall tiles of ci/gpu/full_tall_wgmma_round.sh).
-# Since session 32 the tall ones are full mode's table at 65-256 rows (configs.FULL_SM90_TALL), every one here.
-TALL_TILES = dict.fromkeys(replace(c, tma=False) for row in configs.FULL_SM90_TALL.values() for c in row.values())
-# The decoded weight as wgmma's shared operand B (tokens are operand A): probe_fp8_tiles.py --smem-b's tiles.
-SMEM_B_TILES = [GemmConfig(128, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, swap_ab=False),
-                GemmConfig(256, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, swap_ab=False),
-                GemmConfig(128, 64, 64, num_stages=4, ptx_decode=True, swap_ab=False, split_k=4)]
+# Full mode on the GPU: the sm90 decode tile, it split, and every tile of full mode's TMA table at 33-256 rows
+# (configs.FULL_SM90_TMA: register-A tall tiles and, since session 36, shared-B tiles; swap-AB or not).
+TMA_TABLE_TILES = dict.fromkeys(replace(c, tma=False) for row in configs.FULL_SM90_TMA.values() for c in row.values())
 GPU_FULL_TILES = [GemmConfig(16, 32, 256, num_stages=4, ptx_decode=True),
-                  GemmConfig(16, 32, 256, num_stages=4, ptx_decode=True, split_k=4), *TALL_TILES, *SMEM_B_TILES]
+                  GemmConfig(16, 32, 256, num_stages=4, ptx_decode=True, split_k=4), *TMA_TABLE_TILES]
 
 
 def layer(device, n, k, seed, outlier=None):

@@ -69,18 +69,23 @@ def test_many_row_full_mode_takes_the_merged_path_on_gpus(monkeypatch):
 LLAMA_8B_CLASSES = {(28672, 4096): "wide", (4096, 14336): "long_k", (6144, 4096): "mid", (4096, 4096): "narrow"}
 
 
-def test_sm90_full_mode_takes_tma_tiles_at_65_to_256_rows_and_from_33_on_qkv_and_gate_up(monkeypatch):
+# Session 36's routing (H100): shared-B tiles on gate_up and down at 33-256 rows and on o at 33-64, register-A
+# tall tiles elsewhere; the bucket's token tile covers its rows.
+SHARED_B = {"wide": (64, 128, 256), "long_k": (64, 128, 256), "narrow": (64,), "mid": ()}
+
+
+def test_sm90_full_mode_takes_tma_tiles_at_33_to_256_rows_per_weight_class(monkeypatch):
     assert configs.FULL_SM90_TALL_ON  # on since their GPU tests ran (session 33)
     for n, k in LLAMA_8B_CLASSES:
         assert configs.materializes_full("sm90", 257, n, k) and not configs.materializes_full("sm90", 256, n, k)
     for m in (33, 64, 65, 128, 129, 256):
+        bucket = 64 if m <= 64 else 128 if m <= 128 else 256
         for (n, k), weight_class in LLAMA_8B_CLASSES.items():
             config = configs.choose_config("sm90", "full", m, n, k, 132)
-            tall = m >= 65 or weight_class in ("wide", "mid")  # session 34: o and down keep the pointer tiles
-            assert config.tma == tall, (m, n, k)
-            if tall:
-                assert config == configs.FULL_SM90_TALL[128 if m <= 128 else 256][weight_class], (m, n, k)
-                assert config.ptx_decode
+            assert config.tma and config.ptx_decode, (m, n, k)
+            assert config == configs.FULL_SM90_TMA[bucket][weight_class] == configs.full_tma_tile(m, n, k), (m, n, k)
+            assert config.swap_ab == (bucket not in SHARED_B[weight_class]), (m, n, k)
+            assert config.block_m >= bucket, (m, n, k)  # one token tile covers the bucket's rows
     for m in (32, 257):
         assert not configs.choose_config("sm90", "full", m, 6144, 4096, 132).tma
     monkeypatch.setattr(configs, "FULL_TMA_MIN_M_BY_CLASS", dict.fromkeys(configs.FULL_WEIGHT_CLASSES, 17))

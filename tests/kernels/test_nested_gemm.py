@@ -221,10 +221,10 @@ def test_quantize_per_token_bit_exact(device, m, k):
 
 
 # On a GPU also 40-300 rows: full mode there is the materialized weight and the vendor GEMM (MATERIALIZE_MIN_M) or,
-# with configs.FULL_SM90_TALL_ON, on sm90 the TMA tiles up to 256 rows (each weight class at both row ranges, and
-# from 33 rows on qkv- and gate_up-like weights).
+# with configs.FULL_SM90_TALL_ON, on sm90 the TMA tiles at 33-256 rows (each weight class in each row bucket, the
+# register-A and, since session 36, the shared-B tiles).
 GPU_OP_SHAPES = [(96, 4096, 4096), (200, 6144, 4096), (130, 16384, 1024), (65, 1024, 8192), (300, 4096, 4096),
-                 (48, 6144, 4096), (40, 28672, 1024)]
+                 (48, 6144, 4096), (40, 28672, 1024), (40, 4096, 4096), (50, 2048, 14336), (200, 2048, 14336)]
 
 
 @pytest.mark.parametrize("tall_tiles", [False, True])

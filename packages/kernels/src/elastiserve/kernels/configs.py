@@ -199,40 +199,62 @@ FULL_SM90_ROWS_32 = _G(32, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
 FULL_SM90_TALL_ON = True
 FULL_TMA_MAX_M = 256
 FULL_WEIGHT_CLASSES = ("wide", "long_k", "mid", "narrow")
-# The first row count each weight class takes the tall tiles at; below it, down to 33, session 16's pointer tiles.
-# H100, session 34 (bench_nested_gemm.py --m 33 48 64 with and without --full-tall-min-rows 33, one call; raw
-# benchmarks/kernels/results/h100-gemm-tall-from-33-s34.json): at 33 / 48 / 64 rows the 128-row tile against the
-# pointer tile ran qkv 31.5 / 34.2 / 30.8 against 38.3 / 37.4 / 38.3 us and gate_up 121.3 / 115.2 / 106.4 against
-# 129.0 / 120.9 / 123.8 us (the zero rows TMA fills cost no weight traffic), but o 27.9 / 27.5 / 23.6 against 22.2 /
-# 22.0 / 22.3 and down 75.9 / 69.3 / 66.7 against 67.6 / 67.5 / 68.0: "mid" and "wide" from 33 rows, the others
-# from 65.
-FULL_TMA_MIN_M_BY_CLASS = {"wide": 33, "long_k": 65, "mid": 33, "narrow": 65}
-FULL_SM90_TALL = {
-    128: {"wide": _G(128, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, tma=True),
-          "long_k": _G(128, 64, 128, num_warps=4, num_stages=3, split_k=2, ptx_decode=True, tma=True),
-          "mid": _G(128, 64, 64, num_warps=4, num_stages=3, split_k=4, ptx_decode=True, tma=True),
-          "narrow": _G(128, 64, 128, num_warps=4, num_stages=3, split_k=2, ptx_decode=True, tma=True)},
-    256: {"wide": _G(256, 128, 64, num_warps=8, num_stages=3, ptx_decode=True, tma=True),
-          "long_k": _G(256, 128, 64, num_warps=8, num_stages=3, split_k=4, ptx_decode=True, tma=True),
-          "mid": _G(256, 64, 64, num_warps=4, num_stages=3, ptx_decode=True, tma=True),
-          "narrow": _G(256, 64, 64, num_warps=4, num_stages=3, split_k=2, ptx_decode=True, tma=True)},
+# The first row count each weight class takes the TMA tiles at; below it, down to 33, session 16's pointer tiles.
+# Session 34 (H100, bench_nested_gemm.py --m 33 48 64 with and without --full-tall-min-rows 33; raw
+# benchmarks/kernels/results/h100-gemm-tall-from-33-s34.json) moved qkv and gate_up to the tall tiles from 33 rows
+# (31.5 / 34.2 / 30.8 against 38.3 / 37.4 / 38.3 us on qkv at 33 / 48 / 64 rows); session 36's shared-operand tiles
+# (below) beat the pointer tiles on o and down there too (o 17.6 / 18.8 against 22.3 / 22.0 us at 40 / 64 rows).
+FULL_TMA_MIN_M_BY_CLASS = dict.fromkeys(FULL_WEIGHT_CLASSES, 33)
+
+
+def _tall(block_m, block_n, block_k, warps, split_k=1):  # the decoded weight is wgmma's register operand A
+    return _G(block_m, block_n, block_k, num_warps=warps, num_stages=3, split_k=split_k, ptx_decode=True, tma=True)
+
+
+def _smem_b(block_m, warps, stages, split_k=1):  # the decoded weight is wgmma's shared operand B, tokens operand A
+    return _G(block_m, 128, 64, num_warps=warps, num_stages=stages, split_k=split_k, swap_ab=False, ptx_decode=True,
+              tma=True)
+
+
+# Full mode's TMA tile per row bucket (33-64, 65-128, 129-256 rows) and weight class. Two operand roles:
+# * register A (session 32): the weight decoded into wgmma's A fragment, two bytes at a time (32 two-byte shared loads
+#   and 128 byte permutes a K step, 339 SASS instructions on 128x64x64);
+# * shared B (session 36, probe_fp8_tiles.py --smem-b): tokens are operand A straight from their TMA tile, the decoded
+#   weight is stored to shared memory with 16-byte stores as operand B (187-197 instructions a K step).
+# H100, session 36 (raw benchmarks/kernels/results/h100-full-smem-b-tiles-s36*.json; us per call against the table
+# of the time, at 40 / 64 / 96 / 128 / 192 / 256 rows): shared B wins at every row on gate_up (88.4 / 88.6 / 89.9 /
+# 90.5 / 136.7 / 142.3 against 115.6 / 104.4 / 100.3 / 101.1 / 155.9 / 157.1; 1.09x cuBLAS fp16 at 40-64 rows) and
+# down (49.7 / 50.9 / 56.7 / 58.8 / 79.2 / 84.4 against 68.0 / 66.3 / 64.3 / 63.8 / 82.9 / 88.2), on o at 40-64
+# rows only (17.6 / 18.8 against 22.3 / 22.0; 21.5 against 22.1 at 96 and a tie at 192 keep the tall tiles), and
+# on qkv at no row range (34.7 against 30.6 at 64; 51.3 against 50.1 at 192). The register-A rows are session 32's.
+FULL_SM90_TMA = {
+    64: {"wide": _smem_b(64, 4, 4), "long_k": _smem_b(64, 4, 4, split_k=4), "mid": _tall(128, 64, 64, 4, split_k=4),
+         "narrow": _smem_b(64, 4, 4, split_k=4)},
+    128: {"wide": _smem_b(128, 8, 3), "long_k": _smem_b(128, 8, 4, split_k=4), "mid": _tall(128, 64, 64, 4, split_k=4),
+          "narrow": _tall(128, 64, 128, 4, split_k=2)},
+    256: {"wide": _smem_b(256, 8, 3), "long_k": _smem_b(256, 8, 3, split_k=4), "mid": _tall(256, 64, 64, 4),
+          "narrow": _tall(256, 64, 64, 4, split_k=2)},
 }
 
 
+def full_tma_tile(m: int, n: int, k: int) -> GemmConfig:
+    """FULL_SM90_TMA's entry for ``m`` rows (33-256) of an [N, K] weight, before the short-K split cut."""
+    return FULL_SM90_TMA[64 if m <= 64 else 128 if m <= 128 else 256][full_weight_class(n, k)]
+
+
 def full_weight_class(n: int, k: int) -> str:
-    """FULL_SM90_TALL's class of an [N, K] weight: N > FP8_WIDE_N (gate_up), K >= LONG_K (down), N > 4096 (qkv)."""
+    """FULL_SM90_TMA's class of an [N, K] weight: N > FP8_WIDE_N (gate_up), K >= LONG_K (down), N > 4096 (qkv)."""
     return "wide" if n > FP8_WIDE_N else "long_k" if k >= LONG_K else "mid" if n > 4096 else "narrow"
 
 
 def full_takes_tma(arch: str, m: int, n: int, k: int) -> bool:
-    """Whether full mode at ``m`` rows on an [N, K] weight runs FULL_SM90_TALL's TMA tiles (when the tensors suit
-    TMA)."""
+    """Whether full mode at ``m`` rows on an [N, K] weight runs FULL_SM90_TMA's tiles (when the tensors suit TMA)."""
     min_m = max(33, FULL_TMA_MIN_M_BY_CLASS[full_weight_class(n, k)])  # <= 32 rows: FULL_SM90_ROWS_32
     return FULL_SM90_TALL_ON and arch == "sm90" and min_m <= m <= FULL_TMA_MAX_M
 
 
-def _full_sm90_tall(m: int, n: int, k: int) -> GemmConfig:
-    config = FULL_SM90_TALL[128 if m <= 128 else 256][full_weight_class(n, k)]
+def _full_sm90_tma(m: int, n: int, k: int) -> GemmConfig:
+    config = full_tma_tile(m, n, k)
     while config.split_k > 1 and -(-k // config.block_k) < 4 * config.split_k:  # short K: >= 4 K blocks a split
         config = replace(config, split_k=config.split_k // 2)
     return config
@@ -311,7 +333,7 @@ def choose_config(arch: str, mode: str, m: int, n: int, k: int, num_sms: int, *,
     if arch == "sm90" and mode == "full" and 16 < m <= 32:
         return FULL_SM90_ROWS_32
     if mode == "full" and full_takes_tma(arch, m, n, k) and not grouped:
-        return _full_sm90_tall(m, n, k)
+        return _full_sm90_tma(m, n, k)
     config = TABLES.get(arch, _SM80)[mode][bucket]
     if arch == "sm90" and bucket <= 16 and k >= LONG_K and mode in _DECODE_LONG_K_BY_MODE:  # sm90 smem only
         config = _DECODE_LONG_K_BY_MODE[mode]
