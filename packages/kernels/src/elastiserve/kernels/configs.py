@@ -195,7 +195,8 @@ FULL_SM90_ROWS_32 = _G(32, 32, 256, num_warps=4, num_stages=4, ptx_decode=True)
 # table gave the pointer kernel's bits and the op matched the reference at 65-300 rows with them (test_gemm_tma.py,
 # test_nested_gemm.py, test_merge_planes.py: 50 passed), and the GEMM table through the op ran qkv 0.64 / 0.65 / 0.45 /
 # 0.47x and down 0.82 / 0.82 / 0.61 / 0.66x cuBLAS fp16 at 96 / 128 / 192 / 256 rows
-# (benchmarks/kernels/results/h100-gemm-tall-rows-s33.json). Off, these rows take the materialized weight again.
+# (benchmarks/kernels/results/h100-gemm-tall-rows-s33.json). Off, 65-256 rows take the materialized weight again and
+# 33-64 rows session 16's pointer tiles.
 FULL_SM90_TALL_ON = True
 FULL_TMA_MAX_M = 256
 FULL_WEIGHT_CLASSES = ("wide", "long_k", "mid", "narrow")
