@@ -74,9 +74,13 @@ FULL_WIDE_TALL_CANDIDATES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 2), (128, 2
 # stores the fp16 tile with STS.128. Compiled for sm90 offline (Triton 3.6), the K loop's SASS is 187-197
 # instructions on 128x128x64 (8 warps) and 256x128x64 against 339 on the shipped 128x64x64 register-A tile; the
 # loop waits for its wgmma each K step (one decoded buffer), so the overlap comes from 2-3 CTAs a SM. Registers
-# 100-187, shared 98-148 KB, no spills. Never timed before this round.
+# 100-187, shared 98-148 KB, no spills. H100, session 36: the first seven won on gate_up and down at 40-256 rows and
+# on o at 40-64 (configs.FULL_SM90_TMA); qkv lost at 40-128 rows. The last three, added after that run for qkv- and
+# o-like weights (more, narrower weight tiles: 64x64x64 at 6 stages is 183 instructions, 68 registers, 96 KB, two
+# CTAs a SM), are not timed yet.
 FULL_SMEM_B_CANDIDATES = [(64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-                          (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2)]
+                          (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2),
+                          (64, 64, 64, 4, 6), (128, 64, 64, 4, 5), (64, 256, 64, 8, 3)]
 # The same operand roles in Gluon (gemm_full_gluon, ``--gluon``): two decoded buffers so that the decode of the next
 # K step overlaps the wgmma in flight. Offline (sm90): 203 / 205 / 219 SASS instructions a K step on 128x128x64 (8
 # warps) / 128x64x64 (4) / 256x128x64 (8); shared 115-213 KB, so 2 stages where 3 leave one CTA a SM.
