@@ -4,9 +4,9 @@ decode of K step i + 1 runs while wgmma multiplies step i.
 
 Why a second kernel: the Triton kernel of ``gemm_tma`` with the decoded weight as wgmma's shared operand B (session
 36's ``probe_fp8_tiles.py --smem-b``) has one decoded buffer, so Triton waits for each wgmma before the next decode
-(``warp_group_dot_wait pendings = 0`` in its TTGIR); the register-A tall tiles fill wgmma's A fragment two bytes at a
-time (32 LDS.U16 and 128 PRMT a K step, 339 SASS instructions against 187-197 here). Gluon states the buffers, the
-mbarriers of the TMA ring and the wgmma wait depth outright:
+(``warp_group_dot_wait pendings = 0`` in its TTGIR), and the register-A tall tiles fill wgmma's A fragment two bytes
+at a time (32 LDS.U16 and 128 PRMT a K step, 339 SASS instructions; here 203 on 128x128x64 at 8 warps). Gluon states
+the buffers, the mbarriers of the TMA ring and the wgmma wait depth outright:
 
 * a ring of ``STAGES`` TMA slots, each the token tile [BM, BK] fp16 and both planes [BN, BK] u8, one mbarrier a slot;
 * two decoded buffers [BN, BK] fp16 (128-byte swizzle, wgmma's operand B through a transposed view);
@@ -14,8 +14,13 @@ mbarriers of the TMA ring and the wgmma wait depth outright:
   sequences of ``weight_decode``), store the fp16 tile, fence, issue wgmma asynchronously, wait until one wgmma is
   left in flight (the previous one, whose slot and decoded buffer are then free), refill that slot by TMA.
 
-A probe kernel until the GPU has timed it (``ci/gpu/full_gluon_round.sh``): no table row routes to it. Split-K writes
-fp32 partials that the launcher sums (one torch reduction; the pointer kernel's in-launch merge is not ported).
+A probe kernel, no table row routes to it: on an H100 (session 36, ``ci/gpu/full_gluon_round.sh``) it was correct
+and slower than Triton's single-buffered shared-B tiles at 64-4,096 rows (gate_up 86.5 / 189.3 / 2596 us against
+88.6 / 142.3 / 2074 at 64 / 256 / 4,096 rows): the second decoded buffer costs shared memory, so 3 stages leave one
+CTA a SM and 2 stages starve the TMA ring. It is the base for a producer / consumer version (a decode warpgroup
+beside the MMA one), which Triton's automatic warp specialization does not build around a register decode. Split-K
+writes fp32 partials that the launcher sums (one torch reduction; the pointer kernel's in-launch merge is not
+ported).
 Gluon has no interpreter, so the CPU tests compile it for sm90 (``tests/kernels/test_gemm_full_gluon.py``) and the
 GPU tests compare it with ``nested_linear_ref``.
 """
