@@ -15,12 +15,12 @@ the buffers, the mbarriers of the TMA ring and the wgmma wait depth outright:
   left in flight (the previous one, whose slot and decoded buffer are then free), refill that slot by TMA.
 
 A probe kernel, no table row routes to it: on an H100 (session 36, ``ci/gpu/full_gluon_round.sh``) it was correct
-and slower than Triton's single-buffered shared-B tiles at 64-4,096 rows (gate_up 86.5 / 189.3 / 2596 us against
-88.6 / 142.3 / 2074 at 64 / 256 / 4,096 rows): the second decoded buffer costs shared memory, so 3 stages leave one
-CTA a SM and 2 stages starve the TMA ring. It is the base for a producer / consumer version (a decode warpgroup
-beside the MMA one), which Triton's automatic warp specialization does not build around a register decode. Split-K
-writes fp32 partials that the launcher sums (one torch reduction; the pointer kernel's in-launch merge is not
-ported).
+and slower than Triton's single-buffered shared-B tiles at 64-4,096 rows except gate_up at 64 (86.5 against 88.6
+us; 189.3 against 142.3 at 256, 2596 against 2074 at 4,096): the second decoded buffer costs shared memory, so 3
+stages leave one CTA a SM and 2 stages starve the TMA ring. It is the base for a producer / consumer version (a
+decode warpgroup beside the MMA one), which Triton's automatic warp specialization does not build around a register
+decode. Split-K writes fp32 partials that the launcher sums (one torch reduction; the pointer kernel's in-launch
+merge is not ported).
 Gluon has no interpreter, so the CPU tests compile it for sm90 (``tests/kernels/test_gemm_full_gluon.py``) and the
 GPU tests compare it with ``nested_linear_ref``.
 """
