@@ -86,21 +86,26 @@ FULL_SMEM_B_CANDIDATES = [(64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 6
 # warps) / 128x64x64 (4) / 256x128x64 (8); shared 115-213 KB, so 2 stages where 3 leave one CTA a SM.
 FULL_GLUON_CANDIDATES = [(128, 128, 64, 8, 2), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 64, 64, 4, 4),
                          (64, 128, 64, 4, 3), (128, 256, 64, 8, 2), (256, 128, 64, 8, 2)]
+# The producer / consumer Gluon kernel (``--gluon-ws``: a TMA warp, a 4-warp decode partition, the MMA warps; written
+# after session 36's ncu run found the K loops short of warps free of decode work). Offline (sm90): 168 registers at
+# launch, so one CTA a SM; 115-181 KB of shared memory. Not timed yet.
+FULL_GLUON_WS_CANDIDATES = [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                            (256, 128, 64, 8, 3)]
 FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 
 
 def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = False,
                    tma: bool = False, wide_only: bool = False, smem_b: bool = False,
-                   gluon: bool = False) -> list[configs.GemmConfig]:
+                   gluon: bool = False, gluon_ws: bool = False) -> list[configs.GemmConfig]:
     """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split
     (``tall_only``: full mode's tall token tiles alone; ``tma``: each tile also fetched by TMA, where it fits;
     ``wide_only``: full mode's 256-weight-row tall tiles alone, by TMA only; ``smem_b``: full mode's tiles with the
-    decoded weight as wgmma's shared operand B, by TMA only; ``gluon``: the Gluon kernel's tiles, timed by
-    ``time_gluon``)."""
+    decoded weight as wgmma's shared operand B, by TMA only; ``gluon`` / ``gluon_ws``: the Gluon kernels' tiles,
+    timed by ``time_gluon``)."""
     out = []
-    if mode == "full" and (smem_b or gluon):
-        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True, swap_ab=False)
-                 for bm, bn, bk, w, s in (FULL_GLUON_CANDIDATES if gluon else FULL_SMEM_B_CANDIDATES)]
+    if mode == "full" and (smem_b or gluon or gluon_ws):
+        rows = FULL_GLUON_WS_CANDIDATES if gluon_ws else FULL_GLUON_CANDIDATES if gluon else FULL_SMEM_B_CANDIDATES
+        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True, swap_ab=False) for bm, bn, bk, w, s in rows]
     elif mode == "full":
         tall = FULL_TALL_CANDIDATES + FULL_WGMMA_TALL_CANDIDATES if m > 32 else []
         rows = FULL_WIDE_TALL_CANDIDATES if wide_only else tall if tall_only else FULL_CANDIDATES + tall
@@ -111,13 +116,13 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = 
     for config in tiles:
         bm, bn = config.block_m, config.block_n
         too_tall = bm > (16 if m <= 16 else max(32, 2 * m))
-        if too_tall or (m >= 1024 and bm < 64) or (mode == "full" and not (smem_b or gluon)
+        if too_tall or (m >= 1024 and bm < 64) or (mode == "full" and not (smem_b or gluon or gluon_ws)
                                                    and bm < 16 * -(-m // 64)):
             continue
         n_tiles = -(-m // bm) * -(-n // bn)
         split = configs._split_for_occupancy(n_tiles, -(-k // config.block_k), current_platform().num_sms)
         variants = [config] + ([replace(config, split_k=split)] if split > 1 else [])
-        if wide_only or smem_b or gluon:
+        if wide_only or smem_b or gluon or gluon_ws:
             out += [replace(v, tma=True) for v in variants]
             continue
         out += variants
@@ -131,14 +136,15 @@ def time_mode(x, weights, config, mode: str = "fp8") -> float:
                                                                config=config) for c in weights])
 
 
-def time_gluon(x, weights, config) -> tuple[float, float]:
-    """The Gluon kernel at ``config``: microseconds per call, and its largest error on the first weight against
+def time_gluon(x, weights, config, warp_specialized: bool = False) -> tuple[float, float]:
+    """A Gluon kernel at ``config``: microseconds per call, and its largest error on the first weight against
     cuBLAS fp16 relative to the output's largest magnitude (an exact weight: fp16 GEMM rounding, ~1e-3)."""
     from elastiserve.kernels.gemm_full_gluon import launch_full_gluon
 
     def call(c):
         return launch_full_gluon(x, c["upper"], c["lower"], int(Nesting.E4M3), config.block_m, config.block_n,
-                                 config.block_k, config.num_stages, config.num_warps, config.split_k)
+                                 config.block_k, config.num_stages, config.num_warps, config.split_k,
+                                 warp_specialized=warp_specialized)
 
     dense = (x @ weights[0]["w"].t()).float()
     err = float((call(weights[0]).float() - dense).abs().max() / dense.abs().max())
@@ -165,7 +171,8 @@ def time_baselines(x, weights, mode: str) -> dict[str, float]:
 
 
 def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_only: bool = False,
-                tma: bool = False, wide_only: bool = False, smem_b: bool = False, gluon: bool = False) -> None:
+                tma: bool = False, wide_only: bool = False, smem_b: bool = False, gluon: bool = False,
+                gluon_ws: bool = False) -> None:
     weights = make_weights(n, k, copies_for(n * k * 2))
     platform = current_platform()
     for m in m_values:
@@ -173,16 +180,20 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_
         row = {"shape": name, "N": n, "K": k, "M": m, "mode": mode, "us": time_baselines(x, weights, mode),
                "table_config": asdict(configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)),
                "candidates": []}
-        for config in candidates_for(m, n, k, mode, tall_only, tma, wide_only, smem_b, gluon):
+        for config in candidates_for(m, n, k, mode, tall_only, tma, wide_only, smem_b, gluon, gluon_ws):
             try:
-                us, err = time_gluon(x, weights, config) if gluon else (time_mode(x, weights, config, mode), None)
+                us, err = (time_gluon(x, weights, config, gluon_ws) if gluon or gluon_ws
+                           else (time_mode(x, weights, config, mode), None))
             except Exception as exc:  # out of shared memory, say: recorded, not timed
                 row["candidates"].append({"config": asdict(config), "error": str(exc)[:200]})
                 continue
-            row["candidates"].append({"config": asdict(config), "us": us, **({"rel_err": err} if gluon else {})})
-            if gluon:
-                print(f"{'':20s} M={m:5d} gluon {config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} "
-                      f"s{config.num_stages} split{config.split_k}: {us:7.1f} us, rel. error {err:.1e}", flush=True)
+            row["candidates"].append({"config": asdict(config), "us": us}
+                                     | ({"rel_err": err} if err is not None else {}))
+            if err is not None:
+                kind = "gluon-ws" if gluon_ws else "gluon"
+                print(f"{'':20s} M={m:5d} {kind} {config.block_m}x{config.block_n}x{config.block_k} "
+                      f"w{config.num_warps} s{config.num_stages} split{config.split_k}: {us:7.1f} us, "
+                      f"rel. error {err:.1e}", flush=True)
         timed = [c for c in row["candidates"] if "us" in c]
         best = min(timed, key=lambda c: c["us"])
         row["best"] = best
@@ -223,13 +234,15 @@ def main(argv=None) -> int:
                         "operand B, by TMA (FULL_SMEM_B_CANDIDATES)")
     parser.add_argument("--gluon", action="store_true", help="full mode: the Gluon kernel with two decoded buffers "
                         "(gemm_full_gluon, FULL_GLUON_CANDIDATES)")
+    parser.add_argument("--gluon-ws", action="store_true", help="full mode: the producer / consumer Gluon kernel "
+                        "(gemm_full_gluon, FULL_GLUON_WS_CANDIDATES)")
     args = parser.parse_args(argv)
     m_values = args.m or list(FULL_M_DEFAULT if args.mode == "full" else M_DEFAULT)
     rows: list[dict] = []
     for short in args.shapes:  # the file is rewritten after each shape, so a run cut by its time limit keeps them
         name = f"llama3.1-8b.{short}"
         probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only, args.tma, args.wide_only,
-                    args.smem_b, args.gluon)
+                    args.smem_b, args.gluon, args.gluon_ws)
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
     return 0

@@ -1,6 +1,8 @@
 """Full mode's nested GEMM written in Gluon (Triton's explicit-layout dialect) for sm90: ``y = x @ W.T`` with W the
 exact fp16 weight decoded from its two byte planes, the decoded tile double-buffered in shared memory so that the
-decode of K step i + 1 runs while wgmma multiplies step i.
+decode of K step i + 1 runs while wgmma multiplies step i. Two kernels: ``_full_gluon_kernel`` (one warpgroup does
+everything in order) and ``_full_gluon_ws_kernel`` (producer / consumer partitions: a TMA warp, a decode warpgroup,
+the MMA warpgroup; written after session 36's ncu run, compiled for sm90 offline, not yet run on a GPU).
 
 Why a second kernel: the Triton kernel of ``gemm_tma`` with the decoded weight as wgmma's shared operand B (session
 36's ``probe_fp8_tiles.py --smem-b``) has one decoded buffer, so Triton waits for each wgmma before the next decode
@@ -131,12 +133,144 @@ def _full_gluon_kernel(x_desc, u_desc, l_desc, bias_ptr, out_ptr, M, N, k_per_sp
         gl.store(ptrs, result, mask=mask)
 
 
+# ---- producer / consumer version: a TMA warp, a decode warpgroup, an MMA warpgroup (the default partition) -------
+# Why: the ncu profile of session 36 found full mode's K loops short of resident warps that are not busy with the
+# decode (1-3 warps a scheduler, 17-42 % of the issue slots on decode and its shared traffic), where cuBLAS's loads
+# and MMAs run with few instructions. Here the decode runs in its own warps, ahead of the MMA by up to WBUF steps, and
+# the MMA warpgroup only waits and issues wgmma. Barriers (each one arrival, by one thread of its partition):
+#   ready[s]   TMA bytes of slot s landed (expect + copies by the loader)      waited by decoder and MMA
+#   planes[s]  the decoder has read slot s's planes into registers           waited by the loader
+#   tokens[s]  the MMA warpgroup's wgmma on slot s's token tile completed      waited by the loader
+#   decoded[b] the decoder stored step i's fp16 tile into buffer b             waited by the MMA warpgroup
+#   spent[b]   the wgmma that read buffer b completed                          waited by the decoder
+# A producer waits for parity (phase ^ 1): a fresh mbarrier counts as having completed the phase before its first.
+
+
+@gluon.jit
+def _ws_loader(x_desc, u_desc, l_desc, x_s, u_s, l_s, ready, planes, tokens, off_m, off_n, k_start, num_k,
+               BK: gl.constexpr, STAGES: gl.constexpr):
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * u_desc.block_type.nbytes
+    for step in range(num_k):
+        slot = step % STAGES
+        phase = (step // STAGES) & 1
+        mbarrier.wait(planes.index(slot), phase ^ 1)
+        mbarrier.wait(tokens.index(slot), phase ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, nbytes)
+        k = k_start + step * BK
+        tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_s.index(slot))
+        tma.async_copy_global_to_shared(u_desc, [off_n, k], bar, u_s.index(slot))
+        tma.async_copy_global_to_shared(l_desc, [off_n, k], bar, l_s.index(slot))
+
+
+@gluon.jit
+def _ws_decoder(u_s, l_s, w_s, ready, planes, decoded, spent, num_k, NESTING: gl.constexpr, BK: gl.constexpr,
+                STAGES: gl.constexpr, WBUF: gl.constexpr):
+    TPR: gl.constexpr = BK // 16
+    plane_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPR, TPR], [gl.num_warps(), 1], [1, 0])
+    for step in range(num_k):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        u = u_s.index(slot).load(plane_layout)
+        low = l_s.index(slot).load(plane_layout)
+        gl.thread_barrier()  # every warp of the partition holds its bytes before the slot is handed back
+        mbarrier.arrive(planes.index(slot))
+        buf = step % WBUF
+        mbarrier.wait(spent.index(buf), ((step // WBUF) & 1) ^ 1)
+        w_s.index(buf).store(_decode_full(u, low, NESTING))
+        fence_async_shared()
+        gl.thread_barrier()  # the whole tile is stored (and fenced for the async proxy) before wgmma may read it
+        mbarrier.arrive(decoded.index(buf))
+
+
+@gluon.jit
+def _ws_mma(x_s, w_s, ready, tokens, decoded, spent, num_k, BM: gl.constexpr, BN: gl.constexpr,
+            STAGES: gl.constexpr, WBUF: gl.constexpr):
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for step in range(num_k):
+        slot = step % STAGES
+        buf = step % WBUF
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        mbarrier.wait(decoded.index(buf), (step // WBUF) & 1)
+        acc = warpgroup_mma(x_s.index(slot), w_s.index(buf).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        # wgmma step - 1 completed: its token slot and decoded buffer go back to their producers
+        prev = step + STAGES - 1
+        prev_buf = step + WBUF - 1
+        mbarrier.arrive(tokens.index(prev % STAGES), pred=step > 0)
+        mbarrier.arrive(spent.index(prev_buf % WBUF), pred=step > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    return (acc,)
+
+
+@gluon.jit
+def _full_gluon_ws_kernel(x_desc, u_desc, l_desc, bias_ptr, out_ptr, M, N, k_per_split, stride_os, stride_om,
+                          w_scale, NESTING: gl.constexpr, HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                          BK: gl.constexpr, STAGES: gl.constexpr, WBUF: gl.constexpr, GROUP_M: gl.constexpr,
+                          SPLIT_K: gl.constexpr, DECODE_WARPS: gl.constexpr, DECODE_REGS: gl.constexpr,
+                          num_warps: gl.constexpr):
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = gl.minimum(num_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % per_group) % group_size) * BM
+    off_n = ((pid % per_group) // group_size) * BN
+    k_start = pid_k * k_per_split
+    num_k = gl.cdiv(k_per_split, BK)
+
+    x_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], x_desc.layout)
+    u_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK], u_desc.layout)
+    l_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK], l_desc.layout)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float16)
+    w_s = gl.allocate_shared_memory(gl.float16, [WBUF, BN, BK], w_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    planes = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tokens = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    decoded = gl.allocate_shared_memory(gl.int64, [WBUF, 1], mbarrier.MBarrierLayout())
+    spent = gl.allocate_shared_memory(gl.int64, [WBUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(planes.index(s), count=1)
+        mbarrier.init(tokens.index(s), count=1)
+    for b in gl.static_range(WBUF):
+        mbarrier.init(decoded.index(b), count=1)
+        mbarrier.init(spent.index(b), count=1)
+
+    (acc,) = gl.warp_specialize([
+        (_ws_mma, (x_s, w_s, ready, tokens, decoded, spent, num_k, BM, BN, STAGES, WBUF)),
+        (_ws_decoder, (u_s, l_s, w_s, ready, planes, decoded, spent, num_k, NESTING, BK, STAGES, WBUF)),
+        (_ws_loader, (x_desc, u_desc, l_desc, x_s, u_s, l_s, ready, planes, tokens, off_m, off_n, k_start, num_k, BK,
+                      STAGES)),
+    ], [DECODE_WARPS, 1], [DECODE_REGS, 24])
+
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    result = gl.convert_layout(acc, out_layout) * w_scale
+    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            result += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+        gl.store(ptrs, result.to(gl.float16), mask=mask)
+    else:
+        gl.store(ptrs, result, mask=mask)
+
+
 def launch_full_gluon(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, nesting: int, block_m: int,
                       block_n: int, block_k: int = 64, num_stages: int = 3, num_warps: int = 4, split_k: int = 1,
-                      group_m: int = 8, bias: torch.Tensor | None = None, weight_exp: int = 0) -> torch.Tensor:
+                      group_m: int = 8, bias: torch.Tensor | None = None, weight_exp: int = 0,
+                      warp_specialized: bool = False, decode_regs: int = 168) -> torch.Tensor:
     """fp16 ``x`` [M, K] times the weight the uint8 planes [N, K] nest (``nesting`` 1 = E4M3, 2 = E5M2; planes of
     ``w * 2^-weight_exp``), plus ``bias``: fp16 [M, N]. Tiles: wgmma takes 64 token rows a warpgroup (``block_m`` a
-    multiple of 16 * num_warps) and ``block_n`` weight rows up to 256."""
+    multiple of 16 * num_warps) and ``block_n`` weight rows up to 256. ``warp_specialized``: the producer / consumer
+    kernel, ``num_warps`` MMA warps beside a 4-warp decode partition holding ``decode_regs`` registers a thread and
+    a TMA warp."""
     if x.dtype != torch.float16 or upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
         raise ConfigError(f"full-mode Gluon GEMM takes fp16 rows and uint8 planes, got {x.dtype}, {upper.dtype}, "
                           f"{lower.dtype}")
@@ -144,6 +278,8 @@ def launch_full_gluon(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
         raise ConfigError(f"nesting must be 1 (E4M3) or 2 (E5M2), got {nesting}")
     if block_m % (16 * num_warps) or block_n > 256 or block_n % 16 or block_k not in (32, 64, 128):
         raise ConfigError(f"unsupported tile {block_m}x{block_n}x{block_k} at {num_warps} warps")
+    if warp_specialized and not (24 <= decode_regs <= 256 and decode_regs % 8 == 0):
+        raise ConfigError(f"decode_regs must be a multiple of 8 in 24-256 (setmaxnreg), got {decode_regs}")
     m, k = x.shape
     n = upper.shape[0]
     k_per_split = -(-k // (split_k * block_k)) * block_k
@@ -158,10 +294,14 @@ def launch_full_gluon(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
         out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (-(-m // block_m) * -(-n // block_n), split_k)
     w_scale = 2.0 ** formats.check_weight_exp(weight_exp)
-    _full_gluon_kernel[grid](x_desc, u_desc, l_desc, bias if bias is not None else out, out, m, n, k_per_split,
-                             out.stride(0) if split_k > 1 else 0, out.stride(-2), w_scale, NESTING=nesting,
-                             HAS_BIAS=bias is not None, BM=block_m, BN=block_n, BK=block_k, STAGES=num_stages,
-                             GROUP_M=group_m, SPLIT_K=split_k, num_warps=num_warps)
+    args = (x_desc, u_desc, l_desc, bias if bias is not None else out, out, m, n, k_per_split,
+            out.stride(0) if split_k > 1 else 0, out.stride(-2), w_scale)
+    shape = dict(NESTING=nesting, HAS_BIAS=bias is not None, BM=block_m, BN=block_n, BK=block_k, STAGES=num_stages,
+                 GROUP_M=group_m, SPLIT_K=split_k, num_warps=num_warps)
+    if warp_specialized:
+        _full_gluon_ws_kernel[grid](*args, **shape, WBUF=2, DECODE_WARPS=4, DECODE_REGS=decode_regs)
+    else:
+        _full_gluon_kernel[grid](*args, **shape)
     if split_k == 1:
         return out
     total = out.sum(0)  # the partials in split order, one reduction (no in-launch merge yet)
