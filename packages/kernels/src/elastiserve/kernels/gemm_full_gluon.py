@@ -54,6 +54,50 @@ def _decode_full(u, low, NESTING: gl.constexpr):
 
 
 @gluon.jit
+def _tile_origin(M, N, k_per_split, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr):
+    """This program's output tile and K range: (off_m, off_n, pid_k, k_start, number of K steps). Grouped ordering:
+    GROUP_M token tiles sweep N together, so a weight tile is read from L2 by the group."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_m = gl.cdiv(M, BM)
+    per_group = GROUP_M * gl.cdiv(N, BN)
+    first_m = (pid // per_group) * GROUP_M
+    group_size = gl.minimum(num_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % per_group) % group_size) * BM
+    off_n = ((pid % per_group) // group_size) * BN
+    return off_m, off_n, pid_k, pid_k * k_per_split, gl.cdiv(k_per_split, BK)
+
+
+@gluon.jit
+def _tma_ring(x_desc, u_desc, l_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The TMA slots: token tiles [STAGES, BM, BK] fp16 and both planes [STAGES, BN, BK] u8."""
+    x_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], x_desc.layout)
+    u_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK], u_desc.layout)
+    l_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK], l_desc.layout)
+    return x_s, u_s, l_s
+
+
+@gluon.jit
+def _store_tile(acc, bias_ptr, out_ptr, off_m, off_n, pid_k, M, N, stride_os, stride_om, w_scale,
+                HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SPLIT_K: gl.constexpr,
+                num_warps: gl.constexpr):
+    """The accumulator times ``w_scale`` (2^weight_exp: exact, 1.0 for an unscaled layer), plus the bias, as fp16; or
+    this split's fp32 partial."""
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    result = gl.convert_layout(acc, out_layout) * w_scale
+    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            result += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+        gl.store(ptrs, result.to(gl.float16), mask=mask)
+    else:
+        gl.store(ptrs, result, mask=mask)
+
+
+@gluon.jit
 def _issue_loads(x_desc, u_desc, l_desc, x_s, u_s, l_s, ready, step, slot, off_m, off_n, k_start, num_k,
                  BK: gl.constexpr):
     do = step < num_k
@@ -71,21 +115,9 @@ def _full_gluon_kernel(x_desc, u_desc, l_desc, bias_ptr, out_ptr, M, N, k_per_sp
                        NESTING: gl.constexpr, HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                        BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr,
                        num_warps: gl.constexpr):
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    num_m = gl.cdiv(M, BM)
-    num_n = gl.cdiv(N, BN)
-    per_group = GROUP_M * num_n  # grouped ordering: GROUP_M token tiles sweep N together (L2 reuse of the weight)
-    first_m = (pid // per_group) * GROUP_M
-    group_size = gl.minimum(num_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % per_group) % group_size) * BM
-    off_n = ((pid % per_group) // group_size) * BN
-    k_start = pid_k * k_per_split
-    num_k = gl.cdiv(k_per_split, BK)
+    off_m, off_n, pid_k, k_start, num_k = _tile_origin(M, N, k_per_split, BM, BN, BK, GROUP_M)
 
-    x_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], x_desc.layout)
-    u_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK], u_desc.layout)
-    l_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK], l_desc.layout)
+    x_s, u_s, l_s = _tma_ring(x_desc, u_desc, l_desc, BM, BN, BK, STAGES)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float16)
     w_s = gl.allocate_shared_memory(gl.float16, [2, BN, BK], w_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -119,18 +151,8 @@ def _full_gluon_kernel(x_desc, u_desc, l_desc, bias_ptr, out_ptr, M, N, k_per_sp
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    result = gl.convert_layout(acc, out_layout) * w_scale  # 2^weight_exp: exact, 1.0 for an unscaled layer
-    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            result += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-        gl.store(ptrs, result.to(gl.float16), mask=mask)
-    else:
-        gl.store(ptrs, result, mask=mask)
+    _store_tile(acc, bias_ptr, out_ptr, off_m, off_n, pid_k, M, N, stride_os, stride_om, w_scale, HAS_BIAS, BM, BN,
+                SPLIT_K, num_warps)
 
 
 # ---- producer / consumer version: a TMA warp, a decode warpgroup, an MMA warpgroup (the default partition) -------
@@ -211,21 +233,9 @@ def _full_gluon_ws_kernel(x_desc, u_desc, l_desc, bias_ptr, out_ptr, M, N, k_per
                           BK: gl.constexpr, STAGES: gl.constexpr, WBUF: gl.constexpr, GROUP_M: gl.constexpr,
                           SPLIT_K: gl.constexpr, DECODE_WARPS: gl.constexpr, DECODE_REGS: gl.constexpr,
                           num_warps: gl.constexpr):
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    num_m = gl.cdiv(M, BM)
-    num_n = gl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = gl.minimum(num_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % per_group) % group_size) * BM
-    off_n = ((pid % per_group) // group_size) * BN
-    k_start = pid_k * k_per_split
-    num_k = gl.cdiv(k_per_split, BK)
+    off_m, off_n, pid_k, k_start, num_k = _tile_origin(M, N, k_per_split, BM, BN, BK, GROUP_M)
 
-    x_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], x_desc.layout)
-    u_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK], u_desc.layout)
-    l_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK], l_desc.layout)
+    x_s, u_s, l_s = _tma_ring(x_desc, u_desc, l_desc, BM, BN, BK, STAGES)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float16)
     w_s = gl.allocate_shared_memory(gl.float16, [WBUF, BN, BK], w_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -248,18 +258,8 @@ def _full_gluon_ws_kernel(x_desc, u_desc, l_desc, bias_ptr, out_ptr, M, N, k_per
                       STAGES)),
     ], [DECODE_WARPS, 1], [DECODE_REGS, 24])
 
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    result = gl.convert_layout(acc, out_layout) * w_scale
-    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-    offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            result += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-        gl.store(ptrs, result.to(gl.float16), mask=mask)
-    else:
-        gl.store(ptrs, result, mask=mask)
+    _store_tile(acc, bias_ptr, out_ptr, off_m, off_n, pid_k, M, N, stride_os, stride_om, w_scale, HAS_BIAS, BM, BN,
+                SPLIT_K, num_warps)
 
 
 def launch_full_gluon(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, nesting: int, block_m: int,
