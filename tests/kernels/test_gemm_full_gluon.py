@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_gemm_tma import layer
 
-from elastiserve.kernels import formats, nested_gemm
+from elastiserve.kernels import nested_gemm
 from elastiserve.platforms import ConfigError
 
 # (block_m, block_n, block_k, stages, warps, split_k); the warp-specialized kernel's warps are its MMA partition's
@@ -22,14 +23,8 @@ TILES = {False: [(128, 128, 64, 3, 8, 1), (128, 64, 64, 4, 4, 1), (64, 128, 64, 
 
 
 def planes(device, n, k, seed, outlier=None):
-    gen = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=gen) * 0.3).half()
-    if outlier is not None:
-        w[w.abs() < 2.0**-10] = 0.0  # so a 2^-2 prescale stays exact
-        w[1, 2] = outlier
-    nesting, exp, _ = formats.choose_nesting(w)
-    upper, lower = formats.split(w, nesting, exp)
-    return upper.to(device), lower.to(device), int(nesting), exp
+    upper, lower, nesting, exp = layer(device, n, k, seed, outlier)  # the TMA tests' weights
+    return upper, lower, int(nesting), exp
 
 
 @pytest.mark.parametrize("warp_specialized", [False, True])
