@@ -31,6 +31,7 @@ from elastiserve.kernels import (
     attention,
     attention_kernels,
     configs,
+    gemm_tma,
     nested_gemm,
     nested_moe,
     skinny_configs,
@@ -117,6 +118,48 @@ def compile_gemm(mode: str, config: configs.GemmConfig, arch: int, merge: bool =
              "EVEN_K": True, "PTX_DECODE": config.ptx_decode, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
              "BLOCK_K": config.block_k, "GROUP_M": config.group_m, "MERGE": merge}
     return compile_kernel(fn, types, const, config.num_warps, config.num_stages, arch)
+
+
+def compile_gemm_tma(mode: str, config: configs.GemmConfig, arch: int):
+    """``gemm_tma._gemm_tma_kernel`` as ``launch_gemm_tma`` specializes it for ``config`` (16-aligned sizes, no
+    bias): fp8 rows, or fp16 rows and both planes (full)."""
+    fn = gemm_tma._gemm_tma_kernel
+    rows, plane = ("fp8e4nv", "fp8e4nv") if mode == "fp8" else ("fp16", "u8")
+    types = {n: "i32" for n in fn.arg_names}
+    types.update({"x_desc": f"tensordesc<{rows}[{config.block_m}, {config.block_k}]>",
+                  "w_desc": f"tensordesc<{plane}[{config.block_n}, {config.block_k}]>",
+                  "lower_desc": f"tensordesc<{plane}[{config.block_n}, {config.block_k}]>", "x_scale_ptr": "*fp32",
+                  "bias_ptr": "*fp16", "out_ptr": "*fp32" if config.split_k > 1 else "*fp16", "final_ptr": "*fp16",
+                  "counters_ptr": "*i32", "w_scale": "fp32"})
+    const = {"stride_on": 1, "MODE": gemm_tma.TMA_MODES[mode], "NESTING": 1, "PTX_DECODE": config.ptx_decode,
+             "HAS_BIAS": False, "SPLIT_K": config.split_k, "SWAP_AB": config.swap_ab, "BLOCK_M": config.block_m,
+             "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": config.group_m,
+             "NUM_STAGES": config.num_stages}
+    return compile_kernel(fn, types, const, config.num_warps, config.num_stages, arch,
+                          aligned_ints=("N", "K", "k_per_split", "stride_om", "stride_os"))
+
+
+def full_tma_report(arch: int) -> list[dict]:
+    """Full mode's TMA table (``configs.FULL_SM90_TMA``): per row bucket and weight class, the tile's registers,
+    shared memory, CTAs a SM and its K loop's SASS (register-A tiles read the planes two bytes at a time, shared-B
+    tiles 16; session 36)."""
+    rows = []
+    for bucket, tiles in configs.FULL_SM90_TMA.items():
+        for weight_class, config in tiles.items():
+            kernel = compile_gemm_tma("full", config, arch)
+            k_loop = next(loop for loop in sass_loops(kernel) if any(op.startswith("HGMMA") for op in loop))
+            row = {"kernel": "gemm_tma", "mode": "full", "bucket": bucket, "weight_class": weight_class,
+                   "config": repr(config), "operand": "register A" if config.swap_ab else "shared B",
+                   **facts(kernel, arch, 32 * config.num_warps), "k_loop_sass": sum(k_loop.values()),
+                   "k_loop": k_loop}
+            row["ctas_per_sm"] = min(row["ctas_per_sm_by_registers"],
+                                     SM90_SHARED_PER_SM // (row["shared_bytes"] + 1024))
+            rows.append(row)
+            print(f"full tma {bucket:3d} {weight_class:6s} {row['operand']:10s} {config.block_m}x{config.block_n}x"
+                  f"{config.block_k} w{config.num_warps} s{config.num_stages}: regs {row['registers']:3d} smem "
+                  f"{row['shared_bytes'] // 1024:3d} KiB  {row['ctas_per_sm']} CTAs/SM  K loop {row['k_loop_sass']} "
+                  f"SASS", flush=True)
+    return rows
 
 
 def merge_order(ptx: str) -> dict[str, list[int]]:
@@ -301,6 +344,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     report = {"arch": f"sm{args.arch}", "triton": triton.__version__, "gemm": gemm_report(args.arch),
+              "full_tma": full_tma_report(args.arch),
               "skinny_gemm": skinny_report(args.arch), "grouped_gemm": grouped_report(args.arch),
               "attention": attention_report(args.arch)}
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -143,3 +143,28 @@ def test_compiled_for_sm90_it_fetches_by_tma_and_multiplies_by_wgmma():
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["bulk"] > 0 and found["wgmma"] > 0 and found["cp_async"] == 0 and found["spills"] == 0, found
+
+
+_FULL_TMA_REPORT = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+print(json.dumps([{k: row[k] for k in ("operand", "k_loop_sass", "spill_store_bytes")} for row in
+                  report.full_tma_report(90)]))
+"""
+
+
+@pytest.mark.cpu
+def test_full_tma_table_compiles_and_shared_b_tiles_run_shorter_k_loops():
+    """Full mode's TMA table compiled for sm90 on the CPU: no tile spills, and every shared-B tile's K loop (16-byte
+    plane loads, session 36) is shorter in SASS than every register-A tile's (two-byte loads and byte permutes)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _FULL_TMA_REPORT, str(COMPILE_REPORT)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.splitlines()[-1])
+    assert rows and all(row["spill_store_bytes"] == 0 for row in rows), rows
+    loops = {kind: [row["k_loop_sass"] for row in rows if row["operand"] == kind]
+             for kind in ("shared B", "register A")}
+    assert loops["shared B"] and loops["register A"] and max(loops["shared B"]) < min(loops["register A"]), loops

@@ -221,7 +221,8 @@ def _smem_b(block_m, warps, stages, split_k=1):  # the decoded weight is wgmma's
 # * register A (session 32): the weight decoded into wgmma's A fragment, two bytes at a time (32 two-byte shared loads
 #   and 128 byte permutes a K step, 339 SASS instructions on 128x64x64);
 # * shared B (session 36, probe_fp8_tiles.py --smem-b): tokens are operand A straight from their TMA tile, the decoded
-#   weight is stored to shared memory with 16-byte stores as operand B (187-197 instructions a K step).
+#   weight is stored to shared memory with 16-byte stores as operand B (185-255 SASS instructions a K step;
+#   compile_report.full_tma_report prints every tile's).
 # H100, session 36 (raw benchmarks/kernels/results/h100-full-smem-b-tiles-s36*.json; us per call against the table
 # of the time, at 40 / 64 / 96 / 128 / 192 / 256 rows): shared B wins at every row on gate_up (88.4 / 88.6 / 89.9 /
 # 90.5 / 136.7 / 142.3 against 115.6 / 104.4 / 100.3 / 101.1 / 155.9 / 157.1; 1.09x cuBLAS fp16 at 40-64 rows) and

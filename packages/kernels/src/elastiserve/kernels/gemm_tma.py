@@ -6,9 +6,10 @@ The pointer kernel of ``nested_gemm`` fetches its tiles with ``cp.async`` and ma
 descriptors let each tile arrive as one bulk copy that signals an mbarrier, and the hardware fills the rows and
 columns past M, N and K with zeros, so the loop has no masks and no address arithmetic. At 16-256 rows the fp8
 pointer kernel ran 1.2-1.5x slower than cuBLAS's own FP8 GEMM on the H200 (BENCHMARKS.md, kernels, session 16), and
-full mode's fused tiles are bound by the issue slots the decode competes for (session 18); whether TMA helps either is
-what ``ci/gpu/fp8_tma_round.sh`` and ``full_tall_wgmma_round.sh`` measure. No table row takes this kernel until
-then: a ``GemmConfig`` with ``tma=True`` (the probes' candidates, an explicit config) does. The epilogue is the
+full mode's fused tiles are bound by the issue slots the decode competes for (session 18). Full mode's table at
+33-256 rows on sm90 takes this kernel (``configs.FULL_SM90_TMA``: register-A tall tiles since session 33, shared-B
+tiles, ``swap_ab=False``, since session 36); fp8 rows do not (TMA tiles ran 0.93-1.05x the pointer tiles on an
+H100, session 32). The epilogue is the
 pointer kernel's (``gemm_epilogue``), so the two kernels store the same bits for the same accumulators, which sum the
 K tiles in the same order.
 
