@@ -1,11 +1,12 @@
 """Full-mode GEMM launches for Nsight Compute: the op's kernel beside cuBLAS's fp16 GEMM on the same shape, each once.
 
-Full mode runs 0.53-0.88x of cuBLAS fp16 at 33-256 rows (BENCHMARKS.md, kernels, session 34) on tall TMA tiles
-whose decoded weight is wgmma's register operand. Offline (sm90 SASS) their K loop is ~340 instructions a step for
-four wgmma, and neither the decode's issue slots (~9 K warp-instructions a SM at 128 rows on qkv, ~1 us) nor the
-weight bytes (50 MB, ~15 us at the copy rate) account for 32 us: this script lets ncu say what the loop waits on
-(stall reasons, tensor-pipe use, DRAM throughput), against cuBLAS on the same problem. bench_nested_gemm.py times
-the same calls from CUDA graphs; here each case runs outside any graph, ``--repeat`` rounds (the first compiles):
+Full mode ran 0.53-0.88x of cuBLAS fp16 at 33-256 rows (BENCHMARKS.md, kernels, session 34) on tall TMA tiles
+whose decoded weight is wgmma's register operand; session 36's profile found them short of resident warps.
+Offline (sm90 SASS) their K loop is ~340 instructions a step for four wgmma, and neither the decode's issue slots
+(~9 K warp-instructions a SM at 128 rows on qkv, ~1 us) nor the weight bytes (50 MB, ~15 us at the copy rate)
+account for 32 us: this script lets ncu say what the loop waits on (stall reasons, tensor-pipe use, DRAM
+throughput), against cuBLAS on the same problem. bench_nested_gemm.py times the same calls from CUDA graphs; here
+each case runs outside any graph, ``--repeat`` rounds (the first compiles):
 
     ncu --clock-control none --kernel-name regex:"gemm|nvjet|xmma" --section SpeedOfLight --section WarpStateStats \
         --section ComputeWorkloadAnalysis python benchmarks/kernels/ncu_full_gemm.py
@@ -21,8 +22,9 @@ from bench_nested_gemm import SHAPES
 from elastiserve.kernels import configs, formats, nested_gemm
 from elastiserve.kernels.formats import Nesting
 
-# (linear, rows): qkv and gate_up where the tall tile runs from 33 rows, o and down at 128 (the tall tile) and at 64
-# (session 16's pointer tile), so one report holds both kernels on the same weight.
+# (linear, rows): each runs the op's tile of its row bucket (configs.FULL_SM90_TMA): since session 36 gate_up and down
+# take shared-B tiles at 64-256 rows and o at 64; session 36's report (before that routing) has o and down at 64 on
+# session 16's pointer tile and the rest on register-A tall tiles.
 CASES = (("llama3.1-8b.qkv", 128), ("llama3.1-8b.gate_up", 128), ("llama3.1-8b.o", 64), ("llama3.1-8b.o", 128),
          ("llama3.1-8b.down", 64), ("llama3.1-8b.down", 128), ("llama3.1-8b.qkv", 256))
 
