@@ -120,9 +120,9 @@ def compile_gemm(mode: str, config: configs.GemmConfig, arch: int, merge: bool =
     return compile_kernel(fn, types, const, config.num_warps, config.num_stages, arch)
 
 
-def compile_gemm_tma(mode: str, config: configs.GemmConfig, arch: int):
-    """``gemm_tma._gemm_tma_kernel`` as ``launch_gemm_tma`` specializes it for ``config`` (16-aligned sizes, no
-    bias): fp8 rows, or fp16 rows and both planes (full)."""
+def compile_gemm_tma(mode: str, config: configs.GemmConfig, arch: int, has_bias: bool = False):
+    """``gemm_tma._gemm_tma_kernel`` as ``launch_gemm_tma`` specializes it for ``config`` (16-aligned sizes): fp8
+    rows, or fp16 rows and both planes (full)."""
     fn = gemm_tma._gemm_tma_kernel
     rows, plane = ("fp8e4nv", "fp8e4nv") if mode == "fp8" else ("fp16", "u8")
     types = {n: "i32" for n in fn.arg_names}
@@ -132,7 +132,7 @@ def compile_gemm_tma(mode: str, config: configs.GemmConfig, arch: int):
                   "bias_ptr": "*fp16", "out_ptr": "*fp32" if config.split_k > 1 else "*fp16", "final_ptr": "*fp16",
                   "counters_ptr": "*i32", "w_scale": "fp32"})
     const = {"stride_on": 1, "MODE": gemm_tma.TMA_MODES[mode], "NESTING": 1, "PTX_DECODE": config.ptx_decode,
-             "HAS_BIAS": False, "SPLIT_K": config.split_k, "SWAP_AB": config.swap_ab, "BLOCK_M": config.block_m,
+             "HAS_BIAS": has_bias, "SPLIT_K": config.split_k, "SWAP_AB": config.swap_ab, "BLOCK_M": config.block_m,
              "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": config.group_m,
              "NUM_STAGES": config.num_stages}
     return compile_kernel(fn, types, const, config.num_warps, config.num_stages, arch,

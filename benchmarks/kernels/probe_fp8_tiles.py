@@ -71,8 +71,8 @@ FULL_WIDE_TALL_CANDIDATES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 2), (128, 2
 # Full mode with the decoded weight stored to shared memory as wgmma's operand B (session 36, ``--smem-b``, TMA
 # only): tokens are operand A straight from the TMA tile, so each thread reads its weight bytes with LDS.128 (the
 # register-A tall tiles read two bytes at a time to fill wgmma's A fragment: 32 LDS.U16 and 128 PRMT a K step) and
-# stores the fp16 tile with STS.128. Compiled for sm90 offline (Triton 3.6), the K loop's SASS is 187-197
-# instructions on 128x128x64 (8 warps) and 256x128x64 against 339 on the shipped 128x64x64 register-A tile; the
+# stores the fp16 tile with STS.128. Compiled for sm90 offline (Triton 3.6), the K loop's SASS is 185-255
+# instructions (compile_report.full_tma_report) against 339 on the 128x64x64 register-A tile; the
 # loop waits for its wgmma each K step (one decoded buffer), so the overlap comes from 2-3 CTAs a SM. Registers
 # 100-187, shared 98-148 KB, no spills. H100, session 36: the first seven won on gate_up and down at 40-256 rows and
 # on o at 40-64 (configs.FULL_SM90_TMA); qkv lost at 40-128 rows. The last three, added after that run for qkv- and
@@ -91,21 +91,23 @@ FULL_GLUON_CANDIDATES = [(128, 128, 64, 8, 2), (128, 128, 64, 8, 3), (128, 64, 6
 # launch, so one CTA a SM; 115-181 KB of shared memory. Not timed yet.
 FULL_GLUON_WS_CANDIDATES = [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                             (256, 128, 64, 8, 3)]
+# Full mode's tile families with tokens as operand A (swap_ab=False, TMA only), by --family: Triton's tiles timed
+# through nested_gemm, the Gluon kernels' through time_gluon.
+SHARED_B_FAMILIES = {"smem-b": FULL_SMEM_B_CANDIDATES, "gluon": FULL_GLUON_CANDIDATES,
+                     "gluon-ws": FULL_GLUON_WS_CANDIDATES}
 FULL_M_DEFAULT = (17, 32, 48, 64, 96, 127)
 
 
 def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = False,
-                   tma: bool = False, wide_only: bool = False, smem_b: bool = False,
-                   gluon: bool = False, gluon_ws: bool = False) -> list[configs.GemmConfig]:
+                   tma: bool = False, wide_only: bool = False, family: str | None = None) -> list[configs.GemmConfig]:
     """Each candidate whose token tile is not far larger than M, at split-K 1 and at the occupancy split
     (``tall_only``: full mode's tall token tiles alone; ``tma``: each tile also fetched by TMA, where it fits;
-    ``wide_only``: full mode's 256-weight-row tall tiles alone, by TMA only; ``smem_b``: full mode's tiles with the
-    decoded weight as wgmma's shared operand B, by TMA only; ``gluon`` / ``gluon_ws``: the Gluon kernels' tiles,
-    timed by ``time_gluon``)."""
+    ``wide_only``: full mode's 256-weight-row tall tiles alone, by TMA only; ``family``: one of SHARED_B_FAMILIES,
+    full mode's tiles with the decoded weight as wgmma's shared operand B, by TMA only)."""
     out = []
-    if mode == "full" and (smem_b or gluon or gluon_ws):
-        rows = FULL_GLUON_WS_CANDIDATES if gluon_ws else FULL_GLUON_CANDIDATES if gluon else FULL_SMEM_B_CANDIDATES
-        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True, swap_ab=False) for bm, bn, bk, w, s in rows]
+    if mode == "full" and family:
+        tiles = [G(bm, bn, bk, num_warps=w, num_stages=s, ptx_decode=True, swap_ab=False)
+                 for bm, bn, bk, w, s in SHARED_B_FAMILIES[family]]
     elif mode == "full":
         tall = FULL_TALL_CANDIDATES + FULL_WGMMA_TALL_CANDIDATES if m > 32 else []
         rows = FULL_WIDE_TALL_CANDIDATES if wide_only else tall if tall_only else FULL_CANDIDATES + tall
@@ -116,13 +118,12 @@ def candidates_for(m: int, n: int, k: int, mode: str = "fp8", tall_only: bool = 
     for config in tiles:
         bm, bn = config.block_m, config.block_n
         too_tall = bm > (16 if m <= 16 else max(32, 2 * m))
-        if too_tall or (m >= 1024 and bm < 64) or (mode == "full" and not (smem_b or gluon or gluon_ws)
-                                                   and bm < 16 * -(-m // 64)):
+        if too_tall or (m >= 1024 and bm < 64) or (mode == "full" and not family and bm < 16 * -(-m // 64)):
             continue
         n_tiles = -(-m // bm) * -(-n // bn)
         split = configs._split_for_occupancy(n_tiles, -(-k // config.block_k), current_platform().num_sms)
         variants = [config] + ([replace(config, split_k=split)] if split > 1 else [])
-        if wide_only or smem_b or gluon or gluon_ws:
+        if wide_only or family:
             out += [replace(v, tma=True) for v in variants]
             continue
         out += variants
@@ -171,8 +172,7 @@ def time_baselines(x, weights, mode: str) -> dict[str, float]:
 
 
 def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_only: bool = False,
-                tma: bool = False, wide_only: bool = False, smem_b: bool = False, gluon: bool = False,
-                gluon_ws: bool = False) -> None:
+                tma: bool = False, wide_only: bool = False, family: str | None = None) -> None:
     weights = make_weights(n, k, copies_for(n * k * 2))
     platform = current_platform()
     for m in m_values:
@@ -180,9 +180,10 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_
         row = {"shape": name, "N": n, "K": k, "M": m, "mode": mode, "us": time_baselines(x, weights, mode),
                "table_config": asdict(configs.choose_config(platform.arch, mode, m, n, k, platform.num_sms)),
                "candidates": []}
-        for config in candidates_for(m, n, k, mode, tall_only, tma, wide_only, smem_b, gluon, gluon_ws):
+        gluon = family in ("gluon", "gluon-ws")
+        for config in candidates_for(m, n, k, mode, tall_only, tma, wide_only, family):
             try:
-                us, err = (time_gluon(x, weights, config, gluon_ws) if gluon or gluon_ws
+                us, err = (time_gluon(x, weights, config, family == "gluon-ws") if gluon
                            else (time_mode(x, weights, config, mode), None))
             except Exception as exc:  # out of shared memory, say: recorded, not timed
                 row["candidates"].append({"config": asdict(config), "error": str(exc)[:200]})
@@ -190,8 +191,7 @@ def probe_shape(name: str, n: int, k: int, m_values, out: list, mode: str, tall_
             row["candidates"].append({"config": asdict(config), "us": us}
                                      | ({"rel_err": err} if err is not None else {}))
             if err is not None:
-                kind = "gluon-ws" if gluon_ws else "gluon"
-                print(f"{'':20s} M={m:5d} {kind} {config.block_m}x{config.block_n}x{config.block_k} "
+                print(f"{'':20s} M={m:5d} {family} {config.block_m}x{config.block_n}x{config.block_k} "
                       f"w{config.num_warps} s{config.num_stages} split{config.split_k}: {us:7.1f} us, "
                       f"rel. error {err:.1e}", flush=True)
         timed = [c for c in row["candidates"] if "us" in c]
@@ -230,19 +230,20 @@ def main(argv=None) -> int:
     parser.add_argument("--tma", action="store_true", help="each tile also fetched by TMA (gemm_tma)")
     parser.add_argument("--wide-only", action="store_true",
                         help="full mode: the 256-weight-row tall tiles alone, by TMA (FULL_WIDE_TALL_CANDIDATES)")
-    parser.add_argument("--smem-b", action="store_true", help="full mode: the decoded weight as wgmma's shared "
-                        "operand B, by TMA (FULL_SMEM_B_CANDIDATES)")
-    parser.add_argument("--gluon", action="store_true", help="full mode: the Gluon kernel with two decoded buffers "
-                        "(gemm_full_gluon, FULL_GLUON_CANDIDATES)")
-    parser.add_argument("--gluon-ws", action="store_true", help="full mode: the producer / consumer Gluon kernel "
-                        "(gemm_full_gluon, FULL_GLUON_WS_CANDIDATES)")
+    families = parser.add_mutually_exclusive_group()  # full mode, the decoded weight as wgmma's shared operand B
+    families.add_argument("--smem-b", dest="family", action="store_const", const="smem-b",
+                          help="Triton's tiles (FULL_SMEM_B_CANDIDATES)")
+    families.add_argument("--gluon", dest="family", action="store_const", const="gluon",
+                          help="the Gluon kernel with two decoded buffers (gemm_full_gluon, FULL_GLUON_CANDIDATES)")
+    families.add_argument("--gluon-ws", dest="family", action="store_const", const="gluon-ws",
+                          help="the producer / consumer Gluon kernel (gemm_full_gluon, FULL_GLUON_WS_CANDIDATES)")
     args = parser.parse_args(argv)
     m_values = args.m or list(FULL_M_DEFAULT if args.mode == "full" else M_DEFAULT)
     rows: list[dict] = []
     for short in args.shapes:  # the file is rewritten after each shape, so a run cut by its time limit keeps them
         name = f"llama3.1-8b.{short}"
         probe_shape(name, *SHAPES[name], m_values, rows, args.mode, args.tall_only, args.tma, args.wide_only,
-                    args.smem_b, args.gluon, args.gluon_ws)
+                    args.family)
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
     return 0

@@ -118,16 +118,8 @@ import importlib.util, json, re, sys
 spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
-from elastiserve.kernels import gemm_tma
-fn = gemm_tma._gemm_tma_kernel
-types = {n: "i32" for n in fn.arg_names}
-types.update({"x_desc": "tensordesc<fp8e4nv[16, 128]>", "w_desc": "tensordesc<fp8e4nv[64, 128]>",
-              "lower_desc": "tensordesc<fp8e4nv[64, 128]>",
-              "x_scale_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16", "final_ptr": "*fp16",
-              "counters_ptr": "*i32", "w_scale": "fp32"})
-const = {"stride_on": 1, "MODE": 2, "NESTING": 1, "PTX_DECODE": False, "HAS_BIAS": True, "SPLIT_K": 1,
-         "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "NUM_STAGES": 4}
-ptx = report.compile_kernel(fn, types, const, 4, 4, 90, aligned_ints=("N", "K", "k_per_split", "stride_om")).asm["ptx"]
+from elastiserve.kernels.configs import GemmConfig
+ptx = report.compile_gemm_tma("fp8", GemmConfig(16, 64, 128, num_stages=4), 90, has_bias=True).asm["ptx"]
 count = lambda pattern: len(re.findall(pattern, ptx))
 print(json.dumps({"bulk": count(r"cp\\.async\\.bulk\\.tensor"), "wgmma": count(r"wgmma\\.mma_async"),
                   "cp_async": count(r"cp\\.async\\.(ca|cg)"), "spills": report.ptxas_usage(ptx, 90)[1]}))

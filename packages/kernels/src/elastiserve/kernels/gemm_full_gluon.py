@@ -171,18 +171,12 @@ def _full_gluon_kernel(x_desc, u_desc, l_desc, bias_ptr, out_ptr, M, N, k_per_sp
 @gluon.jit
 def _ws_loader(x_desc, u_desc, l_desc, x_s, u_s, l_s, ready, planes, tokens, off_m, off_n, k_start, num_k,
                BK: gl.constexpr, STAGES: gl.constexpr):
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * u_desc.block_type.nbytes
     for step in range(num_k):
         slot = step % STAGES
         phase = (step // STAGES) & 1
         mbarrier.wait(planes.index(slot), phase ^ 1)
         mbarrier.wait(tokens.index(slot), phase ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, nbytes)
-        k = k_start + step * BK
-        tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_s.index(slot))
-        tma.async_copy_global_to_shared(u_desc, [off_n, k], bar, u_s.index(slot))
-        tma.async_copy_global_to_shared(l_desc, [off_n, k], bar, l_s.index(slot))
+        _issue_loads(x_desc, u_desc, l_desc, x_s, u_s, l_s, ready, step, slot, off_m, off_n, k_start, num_k, BK)
 
 
 @gluon.jit
