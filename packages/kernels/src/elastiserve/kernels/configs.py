@@ -228,15 +228,16 @@ def _smem_b(block_m, warps, stages, split_k=1, block_n=128):  # decoded weight: 
 # 90.5 / 136.7 / 142.3 against 115.6 / 104.4 / 100.3 / 101.1 / 155.9 / 157.1; 1.09x cuBLAS fp16 at 40-64 rows) and
 # down (49.7 / 50.9 / 56.7 / 58.8 / 79.2 / 84.4 against 68.0 / 66.3 / 64.3 / 63.8 / 82.9 / 88.2), on o at 40-64
 # rows only (17.6 / 18.8 against 22.3 / 22.0; 21.5 against 22.1 at 96 and a tie at 192 keep the tall tiles), and
-# on qkv at no row range (34.7 against 30.6 at 64; 51.3 against 50.1 at 192). Session 37 (H100, probe --smem-b with
-# narrower weight tiles, raw benchmarks/kernels/results/h100-full-smem-b-qkv-o-s37.json; at 40 / 64 / 128 / 256 rows):
-# 64 weight rows a tile at 6 stages (two CTAs a SM) take qkv at 33-64 (28.2 / 28.3 against 31.2 / 31.0) and o at
-# 33-64 (17.9 / 18.1 against 18.4 / 19.7); 128x64 takes qkv at 129-256 (45.6 against 51.2 at 256) and o at 65-128
-# (21.3 against 22.6), 128x128 o at 129-256 (32.8 against 34.3). qkv at 65-128 keeps the register-A tile (34.6
-# against 33.2). The other register-A rows are session 32's.
+# on qkv at no row range (34.7 against 30.6 at 64; 51.3 against 50.1 at 192). Session 37 (probe --smem-b with
+# narrower weight tiles; raw benchmarks/kernels/results/{h100,h200}-full-smem-b-qkv-o-s37.json): on the H100 at 40 /
+# 64 / 128 / 256 rows, 64 weight rows a tile at 6 stages (two CTAs a SM) take qkv at 33-64 (28.2 / 28.3 against
+# 31.2 / 31.0), 128x64 qkv at 129-256 (45.6 against 51.2 at 256) and o at 65-128 (21.3 against 22.6), 128x128 o at
+# 129-256 (32.8 against 34.3); qkv at 65-128 keeps the register-A tile (34.6 against 33.2). The H200 (64 / 256 rows)
+# agreed at 256 (qkv 45.4, o 32.6: best of the family) and kept o's session-36 tile at 33-64 (16.3 against 17.5 for
+# 64x64, which the H100 preferred by 2-8 %: the issue's GPU decides). The other register-A rows are session 32's.
 FULL_SM90_TMA = {
     64: {"wide": _smem_b(64, 4, 4), "long_k": _smem_b(64, 4, 4, split_k=4), "mid": _smem_b(64, 4, 6, block_n=64),
-         "narrow": _smem_b(64, 4, 6, split_k=2, block_n=64)},
+         "narrow": _smem_b(64, 4, 4, split_k=4)},
     128: {"wide": _smem_b(128, 8, 3), "long_k": _smem_b(128, 8, 4, split_k=4), "mid": _tall(128, 64, 64, 4, split_k=4),
           "narrow": _smem_b(128, 4, 5, split_k=2, block_n=64)},
     256: {"wide": _smem_b(256, 8, 3), "long_k": _smem_b(256, 8, 3, split_k=4), "mid": _smem_b(128, 4, 4, block_n=64),
