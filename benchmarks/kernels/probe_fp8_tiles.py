@@ -77,7 +77,7 @@ FULL_WIDE_TALL_CANDIDATES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 2), (128, 2
 # 100-187, shared 98-148 KB, no spills. H100, session 36: the first seven won on gate_up and down at 40-256 rows and
 # on o at 40-64 (configs.FULL_SM90_TMA); qkv lost at 40-128 rows. The last three, added after that run for qkv- and
 # o-like weights (more, narrower weight tiles: 64x64x64 at 6 stages is 183 instructions, 68 registers, 96 KB, two
-# CTAs a SM), are not timed yet.
+# CTAs a SM), won on qkv at 40-64 and 256 rows and o at 128-256 in session 37 (configs.FULL_SM90_TMA says where).
 FULL_SMEM_B_CANDIDATES = [(64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
                           (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2),
                           (64, 64, 64, 4, 6), (128, 64, 64, 4, 5), (64, 256, 64, 8, 3)]
@@ -88,7 +88,8 @@ FULL_GLUON_CANDIDATES = [(128, 128, 64, 8, 2), (128, 128, 64, 8, 3), (128, 64, 6
                          (64, 128, 64, 4, 3), (128, 256, 64, 8, 2), (256, 128, 64, 8, 2)]
 # The producer / consumer Gluon kernel (``--gluon-ws``: a TMA warp, a 4-warp decode partition, the MMA warps; written
 # after session 36's ncu run found the K loops short of warps free of decode work). Offline (sm90): 168 registers at
-# launch, so one CTA a SM; 115-181 KB of shared memory. Not timed yet.
+# launch, so one CTA a SM; 115-181 KB of shared memory. H100, session 37: 2-31 % slower than the op's route at
+# 64-128 rows, ahead only on qkv / o at 256, 0.64-0.68x cuBLAS at 4,096 rows (BENCHMARKS.md, kernels).
 FULL_GLUON_WS_CANDIDATES = [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                             (256, 128, 64, 8, 3)]
 # Full mode's tile families with tokens as operand A (swap_ab=False, TMA only), by --family: Triton's tiles timed

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host (~4 min), written in session 36 (not yet run): full mode's producer / consumer
+# One device call on a one-GPU host (~4 min), written in session 36 (run in session 37): full mode's producer / consumer
 # Gluon GEMM (gemm_full_gluon._full_gluon_ws_kernel: a TMA warp, a 4-warp decode partition, the MMA warpgroup; five
 # mbarrier rings), written after that session's ncu run found full mode's K loops short of warps free of decode work
 # (1-3 warps a scheduler). Its CUDA tests first (a pipeline bug hangs rather than fails: the test's thread timeout

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host (~4 min), written in session 34 (not yet run): Nsight Compute on full mode's
+# One device call on a one-GPU host (~4 min), written in session 34 (run in session 36): Nsight Compute on full mode's
 # GEMMs (benchmarks/kernels/ncu_full_gemm.py) beside cuBLAS's fp16 GEMM on the same problems, to tell what the tall
 # TMA tile's K loop waits on at 64-256 rows (0.53-0.88x cuBLAS, issue 3's largest miss): stall reasons, issue slots,
 # tensor-pipe and DRAM throughput, registers and occupancy. The report is read as text here and again offline with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host (~3-4 min), written in session 34 (not yet run): full mode's tall tiles on 256
+# One device call on a one-GPU host (~3-4 min), written in session 34 (run in session 35): full mode's tall tiles on 256
 # weight rows (probe_fp8_tiles.py --mode full --wide-only: 128x256x64 at 3 and 2 stages, 128x256x32, 64x256x64, each
 # at split-K 1 and the occupancy split, by TMA) beside cuBLAS fp16, the materialized path and the table's tile, on the
 # four Llama-3.1-8B linears at 48-256 rows. Offline byte count (BENCHMARKS.md, kernels, session 34): the shipped

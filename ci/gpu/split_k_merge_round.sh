@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host (~4.5 min), written in session 22, not run yet: the fp8 GEMM's split-K partials
-# summed in the GEMM launch (nested_gemm.SPLIT_K_MERGE; sm90 keeps the reduce kernel until this runs).
+# One device call on a one-GPU host (~4.5 min), written in session 22, run in session 23: the fp8 GEMM's split-K
+# partials summed in the GEMM launch (nested_gemm.SPLIT_K_MERGE, on for sm90 since that run).
 # 1. The merge's GPU tests (bit-equal to the reduce kernel, counters back at zero), then the attention tests that
 #    share arrivals.py with it.
 # 2. The decode table (roofline, fast/full at batches 1-32) with --split-k-merge 0 and 1 side by side: the reduce

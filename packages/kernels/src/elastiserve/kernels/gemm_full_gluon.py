@@ -2,7 +2,8 @@
 exact fp16 weight decoded from its two byte planes, the decoded tile double-buffered in shared memory so that the
 decode of K step i + 1 runs while wgmma multiplies step i. Two kernels: ``_full_gluon_kernel`` (one warpgroup does
 everything in order) and ``_full_gluon_ws_kernel`` (producer / consumer partitions: a TMA warp, a decode warpgroup,
-the MMA warpgroup; written after session 36's ncu run, compiled for sm90 offline, not yet run on a GPU).
+the MMA warpgroup; written after session 36's ncu run). Both are correct on the H100 and the H200 and neither
+beats the Triton tiles the op routes to (BENCHMARKS.md, kernels, sessions 36-37): no route takes them.
 
 Why a second kernel: the Triton kernel of ``gemm_tma`` with the decoded weight as wgmma's shared operand B (session
 36's ``probe_fp8_tiles.py --smem-b``) has one decoded buffer, so Triton waits for each wgmma before the next decode
