@@ -19,7 +19,7 @@ import sys
 import torch
 import triton
 
-from elastiserve.kernels import configs, formats, nested_gemm, nested_moe
+from elastiserve.kernels import configs, formats, fp8_activations, nested_gemm, nested_moe
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import quantize_per_token
 from elastiserve.platforms import current_platform
@@ -233,7 +233,12 @@ def main(argv=None) -> int:
     parser.add_argument("--full-tall-min-rows", type=int, choices=range(33, 66), metavar="33-65",
                         help="full mode's TMA tiles from this many rows for every weight class "
                              "(configs.FULL_TMA_MIN_M_BY_CLASS: 33 for every class since session 36)")
+    parser.add_argument("--quant-split-rows", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                        help="fast mode's quantizer splits rows longer than 4,096 over programs at LOW-HIGH rows "
+                             "(fp8_activations.QUANT_SPLIT_ROWS; no arch takes it as committed)")
     args = parser.parse_args(argv)
+    if args.quant_split_rows:
+        fp8_activations.QUANT_SPLIT_ROWS[current_platform().arch] = tuple(args.quant_split_rows)
     if args.no_full_tall_tiles:
         configs.FULL_SM90_TALL_ON = False
     if args.full_tall_min_rows is not None:
@@ -258,7 +263,8 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(0), "arch": p.arch, "num_sms": p.num_sms,
         "fast_gemm": p.fast_gemm.value, "torch": torch.__version__, "triton": triton.__version__,
         "python": host_platform.python_version(), "settings": {"full_tall_tiles": configs.FULL_SM90_TALL_ON,
-        "full_tall_min_rows": configs.FULL_TMA_MIN_M_BY_CLASS},
+        "full_tall_min_rows": configs.FULL_TMA_MIN_M_BY_CLASS,
+        "quant_split_rows": fp8_activations.QUANT_SPLIT_ROWS.get(p.arch)},
         "timing": f"CUDA graph replay x{REPLAYS}, weights rotated "
         f"over >= {ROTATE_BYTES >> 20} MB", "dense": dense, "moe": moe, "summary": summarize(dense, moe),
     }

@@ -22,6 +22,7 @@ import torch
 from elastiserve.kernels import configs, formats, fp8_activations, nested_gemm
 from elastiserve.kernels.configs import GemmConfig
 from elastiserve.kernels.formats import Nesting
+from elastiserve.platforms import current_platform
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
 
@@ -206,10 +207,16 @@ def test_corrupted_lower_plane_is_caught(device):
     assert _rel_err(y, _exact(x, w, b)) > 1e-2
 
 
-# One pass (short rows; long rows but few of them), then the two-pass loop (many long rows; rows over the limit).
-@pytest.mark.parametrize("m, k", [(7, 300), (7, 5000), (fp8_activations.QUANT_FEW_ROWS + 2, 5000),
-                                  (7, fp8_activations.QUANT_ONE_PASS_MAX_K + 77)])
-def test_quantize_per_token_bit_exact(device, m, k):
+# One pass (short rows; long rows but few of them), then the two-pass loop (many long rows; rows over the limit); each
+# long shape also on the split route (fp8_activations.QUANT_SPLIT_ROWS), whose chunk maxima must give the same scale.
+LONG_ROWS = [(7, 5000), (fp8_activations.QUANT_FEW_ROWS + 2, 5000), (7, fp8_activations.QUANT_ONE_PASS_MAX_K + 77)]
+
+
+@pytest.mark.parametrize("m, k, split", [(7, 300, False)] + [(m, k, s) for s in (False, True) for m, k in LONG_ROWS])
+def test_quantize_per_token_bit_exact(device, m, k, split, monkeypatch):
+    arch = current_platform().arch
+    monkeypatch.setitem(fp8_activations.QUANT_SPLIT_ROWS, arch, (1, 1 << 30) if split else (1, 0))
+    assert fp8_activations.splits_quantized_rows(m, k) == split
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]).half().to(device)
     x[5, k - 1] = 3e4  # the row's maximum in its last element: the tail chunk counts

@@ -3,22 +3,15 @@ swaps in for a measurement is put back afterwards, also when the measurement rai
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from kernel_scripts import load_kernel_script
 
 pytestmark = [pytest.mark.cpu]
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "probe_norm_warps.py"
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("probe_norm_warps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_kernel_script("probe_norm_warps")
 
 
 def test_main_refuses_without_a_gpu(probe, tmp_path):

@@ -5,26 +5,18 @@ subset of them, and ``main`` refuses to run on the CPU. No GPU code runs here.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from kernel_scripts import load_kernel_script
 
 pytestmark = [pytest.mark.cpu]
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "probe_skinny_gemm.py"
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("probe_skinny_gemm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["probe_skinny_gemm"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_kernel_script("probe_skinny_gemm")
 
 
 def test_candidates_stay_within_the_probe_limits(probe):

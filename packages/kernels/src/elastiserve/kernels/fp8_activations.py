@@ -29,6 +29,15 @@ from elastiserve.platforms.env import triton_interpret
 # 17.4 / 88.9 us (512-thread programs holding a whole row: too few resident to hide the load's latency).
 QUANT_ONE_PASS_MAX_K = 16384
 QUANT_SHORT_K, QUANT_FEW_ROWS = 4096, 128
+# Rows longer than QUANT_SHORT_K, at (low, high) rows per arch, spread over SPLIT_BLOCK-wide programs in two launches
+# (each chunk's max |x|, then the row scale from those maxima and the chunk's codes) instead of one program a row.
+# Why: one 4-warp program a row leaves 8 warps a SM at 256 rows, each walking its 14,336 values twice; on the H200 the
+# down GEMM at 256 rows ran 50.9 us in fast mode with its rows quantized in the op against 34.8 on rows quantized
+# beforehand (session 37, benchmarks/kernels/results/h200-nested-gemm-s37.json). The split route's GPU timing is
+# ``ci/gpu/quant_split_round.sh`` (probe_quantizer.py): until it runs, no arch takes it (the tests set it per arch,
+# so the interpreter covers both routes).
+QUANT_SPLIT_ROWS: dict[str, tuple[int, int]] = {}
+SPLIT_BLOCK = 1024
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 _FP8_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e4m3fnuz: 2.0**-7}
 _SCALE_FLOOR = 1e-8
@@ -91,6 +100,38 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 
+@triton.jit
+def _chunk_max_kernel(chunk_max_ptr, x_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """The split quantizer's first launch: chunk_max[row, chunk] = max |x| over one BLOCK-wide chunk of a row."""
+    wait_for_prior_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+    tl.store(chunk_max_ptr + row * tl.num_programs(1) + chunk, tl.max(tl.abs(x), axis=0))
+
+
+@triton.jit
+def quantize_chunk_kernel(q_ptr, scale_ptr, x_ptr, chunk_max_ptr, K, stride_xm, FP8_MAX: tl.constexpr,
+                          MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
+                          CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
+    """The split quantizer's second launch: the row's scale from its chunk maxima (max is exact, so it is
+    ``quantize_row``'s scale), then this chunk's codes; chunk 0 writes the scale. q rows are K apart."""
+    wait_for_prior_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    slots = tl.arange(0, CHUNKS)
+    maxima = tl.load(chunk_max_ptr + row * tl.num_programs(1) + slots, mask=slots < tl.num_programs(1), other=0.0)
+    scale = scale_of(tl.max(maxima, axis=0), FP8_MAX)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    q = to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
+    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+
+
 class Fp8Rows(NamedTuple):
     """Activation rows already quantized for fast mode's fp8 GEMM: what a quantizing norm or SiLU-and-mul hands a
     ``NestedLinear`` whose ``takes_fp8_rows`` said yes."""
@@ -106,6 +147,22 @@ class Fp8Rows(NamedTuple):
 def platform_fnuz() -> bool:
     """Whether this platform's fp8 activations are E4M3 FNUZ (MI300) rather than OCP E4M3FN."""
     return current_platform().fast_gemm is FastGemm.FP8_MMA_FNUZ
+
+
+def splits_quantized_rows(rows: int, k: int) -> bool:
+    """Whether ``quantize_per_token`` spreads each of ``rows`` rows of ``k`` values over programs (QUANT_SPLIT_ROWS)."""
+    low, high = QUANT_SPLIT_ROWS.get(current_platform().arch, (1, 0))
+    return k > QUANT_SHORT_K and low <= rows <= high
+
+
+def quantize_chunks(x: torch.Tensor, chunk_max: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    fnuz: bool) -> None:
+    """Fill (q, scale) for rows x [R, K] whose SPLIT_BLOCK-wide chunk maxima ``chunk_max`` [R, chunks] are written
+    or being written by the launch before (the split route's second launch; silu_mul's split route shares it)."""
+    rows, k = x.shape
+    chunks = chunk_max.shape[1]
+    quantize_chunk_kernel[(rows, chunks)](q, scale, x, chunk_max, k, x.stride(0), **fp8_constants(fnuz),
+                                          BLOCK=SPLIT_BLOCK, CHUNKS=triton.next_power_of_2(chunks), **pdl_options())
 
 
 def quantizes_in_one_pass(rows: int, k: int) -> bool:
@@ -133,7 +190,11 @@ def quantize_per_token(x: torch.Tensor, fnuz: bool = False) -> tuple[torch.Tenso
     """Dynamic per-row e4m3 quantization: (x_fp8[M, K], scale[M] fp32) with x ~ x_fp8 * scale."""
     m, k = x.shape
     q, scale = empty_fp8_rows(m, k, fnuz, x.device)
-    if m:
+    if m and splits_quantized_rows(m, k):
+        chunk_max = torch.empty((m, triton.cdiv(k, SPLIT_BLOCK)), dtype=torch.float32, device=x.device)
+        _chunk_max_kernel[chunk_max.shape](chunk_max, x, k, x.stride(0), BLOCK=SPLIT_BLOCK, **pdl_options())
+        quantize_chunks(x, chunk_max, q, scale, fnuz)
+    elif m:
         one_pass = quantizes_in_one_pass(m, k)
         block_k = triton.next_power_of_2(max(k, 16)) if one_pass else 1024
         _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), **fp8_constants(fnuz),

@@ -23,21 +23,23 @@ import triton.language as tl
 
 from elastiserve.kernels.fp8_activations import (
     QUANT_SHORT_K,
+    SPLIT_BLOCK,
     empty_fp8_rows,
     fp8_constants,
+    quantize_chunks,
     quantize_per_token,
     quantize_per_token_ref,
     quantize_row,
     quantizes_in_one_pass,
     row_warps,
-    scale_of,
-    to_fp8_range,
 )
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.rms_norm import ElementwiseShapeError
 from elastiserve.platforms import current_platform
 
-BLOCK = 1024  # columns per program: a batch-1 decode row of Llama-8B (I = 14336) still spreads over 14 SMs
+# Columns per program: a batch-1 decode row of Llama-8B (I = 14336) still spreads over 14 SMs; the split quantizing
+# route's chunks are the quantizer's (quantize_chunks reads these chunk maxima).
+BLOCK = SPLIT_BLOCK
 # Up to this many rows of more than QUANT_SHORT_K values, silu_and_mul_quant splits each row over BLOCK-wide programs
 # in two launches (products and chunk maxima, then the scale and the fp8 codes) instead of one program a row: that
 # program computes a whole 14,336-wide row on one SM and took 5.4 us a call on the H200 at 1-4 rows (session 19
@@ -104,26 +106,6 @@ def _silu_mul_chunk_max_kernel(out_ptr, chunk_max_ptr, gate_up_ptr, stride_row, 
     tl.store(chunk_max_ptr + row * tl.num_programs(1) + chunk, tl.max(tl.abs(out.to(tl.float32)), axis=0))
 
 
-@triton.jit
-def _silu_mul_quantize_chunk_kernel(q_ptr, scale_ptr, x_ptr, chunk_max_ptr, inter, FP8_MAX: tl.constexpr,
-                                    MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
-                                    CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
-    """The second launch: the row's scale from its chunk maxima, then this chunk's codes; chunk 0 writes the scale."""
-    wait_for_prior_grid(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    slots = tl.arange(0, CHUNKS)
-    maxima = tl.load(chunk_max_ptr + row * tl.num_programs(1) + slots, mask=slots < tl.num_programs(1), other=0.0)
-    scale = scale_of(tl.max(maxima, axis=0), FP8_MAX)  # max is exact: quantize_row's scale
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    x = tl.load(x_ptr + row * inter + cols, mask=mask, other=0.0).to(tl.float32)
-    q = to_fp8_range(x, scale, FP8_MAX, ROUND_IN_SOFTWARE, MIN_NORMAL)
-    tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    if chunk == 0:
-        tl.store(scale_ptr + row, scale)
-
-
 def _rows_of(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up as [R, 2I] rows with a unit last stride, a view where the leading dims allow it."""
     inter2 = gate_up.shape[-1]
@@ -177,8 +159,7 @@ def _silu_and_mul_quant_triton(gate_up: torch.Tensor, fnuz: bool) -> tuple[torch
         chunk_max = torch.empty((num_rows, chunks), dtype=torch.float32, device=rows.device)
         grid = (num_rows, chunks)
         _silu_mul_chunk_max_kernel[grid](product, chunk_max, rows, rows.stride(0), inter, BLOCK=BLOCK, **pdl_options())
-        _silu_mul_quantize_chunk_kernel[grid](q, scale, product, chunk_max, inter, **fp8_constants(fnuz), BLOCK=BLOCK,
-                                              CHUNKS=triton.next_power_of_2(chunks), **pdl_options())
+        quantize_chunks(product, chunk_max, q, scale, fnuz)
     elif num_rows:
         block = triton.next_power_of_2(max(inter, 16))
         _silu_and_mul_quant_kernel[(num_rows,)](q, scale, rows, rows.stride(0), inter, **fp8_constants(fnuz),
