@@ -43,7 +43,7 @@ FAMILIES = (
     ("grouped MoE GEMM", r"_nested_moe_kernel|_tile_map_kernel|_moe_combine_kernel"),
     ("norm (plain or quantizing)", r"rms_norm"),
     ("SiLU-and-mul (plain or quantizing)", r"silu"),
-    ("quantizer (o_proj's input)", r"quantize"),
+    ("quantizer (o_proj's input; split routes' codes)", r"quantize|_chunk_max_kernel"),
     ("rotary (with the KV write: rotary_kv_write)", r"rotary"),
     ("attention", r"attention"),
     ("KV write", r"kv_write"),

@@ -51,9 +51,10 @@ def test_kernel_names_fall_into_families():
     script = load_script()
     assert script.family("_nested_gemm_kernel") == "nested GEMM (fp8 / weight-only / full)"
     assert script.family("_rms_norm_kernel") == "norm (plain or quantizing)"
-    for name in ("_silu_and_mul_quant_kernel", "_silu_mul_chunk_max_kernel", "_silu_mul_quantize_chunk_kernel"):
+    for name in ("_silu_and_mul_quant_kernel", "_silu_mul_chunk_max_kernel"):
         assert script.family(name) == "SiLU-and-mul (plain or quantizing)", name
-    assert script.family("_quantize_per_token_kernel") == "quantizer (o_proj's input)"
+    for name in ("_quantize_per_token_kernel", "_chunk_max_kernel", "_quantize_chunk_kernel"):  # the split's shared
+        assert script.family(name) == "quantizer (o_proj's input; split routes' codes)", name
     assert script.family("paged_attention_kernel") == "attention"
     assert script.family("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN") == "vendor GEMM (lm_head, fp16 layers)"
     assert script.family("something_else") == "other"

@@ -112,7 +112,7 @@ def _chunk_max_kernel(chunk_max_ptr, x_ptr, K, stride_xm, BLOCK: tl.constexpr, P
 
 
 @triton.jit
-def quantize_chunk_kernel(q_ptr, scale_ptr, x_ptr, chunk_max_ptr, K, stride_xm, FP8_MAX: tl.constexpr,
+def _quantize_chunk_kernel(q_ptr, scale_ptr, x_ptr, chunk_max_ptr, K, stride_xm, FP8_MAX: tl.constexpr,
                           MIN_NORMAL: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, BLOCK: tl.constexpr,
                           CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
     """The split quantizer's second launch: the row's scale from its chunk maxima (max is exact, so it is
@@ -161,7 +161,7 @@ def quantize_chunks(x: torch.Tensor, chunk_max: torch.Tensor, q: torch.Tensor, s
     or being written by the launch before (the split route's second launch; silu_mul's split route shares it)."""
     rows, k = x.shape
     chunks = chunk_max.shape[1]
-    quantize_chunk_kernel[(rows, chunks)](q, scale, x, chunk_max, k, x.stride(0), **fp8_constants(fnuz),
+    _quantize_chunk_kernel[(rows, chunks)](q, scale, x, chunk_max, k, x.stride(0), **fp8_constants(fnuz),
                                           BLOCK=SPLIT_BLOCK, CHUNKS=triton.next_power_of_2(chunks), **pdl_options())
 
 
