@@ -60,6 +60,17 @@ types.update({n: "*fp16" for n in ("q_out_ptr", "kv_ptr", "q_ptr", "k_ptr", "v_p
 types.update({"positions_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
 const = {"BLOCK_SIZE": 16, "BLOCK_HQ": 16, "BLOCK_HKV": 8, "BLOCK_HALF": 64, "PDL": True}
 out["rotary_kv_write_pdl"] = order(report.compile_kernel(fn, types, const, 4, 1, 90).asm["ptx"])
+from elastiserve.kernels import fp8_activations
+fn = fp8_activations._chunk_max_kernel
+types = {n: "i32" for n in fn.arg_names}
+types.update({"chunk_max_ptr": "*fp32", "x_ptr": "*fp16"})
+out["quant_chunk_max_pdl"] = order(report.compile_kernel(fn, types, {"BLOCK": 1024, "PDL": True}, 4, 1, 90).asm["ptx"])
+fn = fp8_activations._quantize_chunk_kernel
+types = {n: "i32" for n in fn.arg_names}
+types.update({"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "x_ptr": "*fp16", "chunk_max_ptr": "*fp32"})
+const = {"FP8_MAX": 448.0, "MIN_NORMAL": 2.0 ** -6, "ROUND_IN_SOFTWARE": False, "BLOCK": 1024, "CHUNKS": 16,
+         "PDL": True}
+out["quant_chunk_codes_pdl"] = order(report.compile_kernel(fn, types, const, 4, 1, 90).asm["ptx"])
 print(json.dumps(out))
 """
 
@@ -75,7 +86,8 @@ def found():
 
 
 def test_pdl_kernels_wait_before_touching_memory(found):
-    for name in ("skinny_full_pdl", "skinny_weight_only_pdl", "rms_norm_quant_pdl", "rotary_kv_write_pdl"):
+    for name in ("skinny_full_pdl", "skinny_weight_only_pdl", "rms_norm_quant_pdl", "rotary_kv_write_pdl",
+                 "quant_chunk_max_pdl", "quant_chunk_codes_pdl"):
         at = found[name]
         assert 0 <= at["wait"] < at["memory"] and at["launch"] > at["wait"], (name, at)
     assert found["skinny_full"]["wait"] == found["skinny_full"]["launch"] == -1
