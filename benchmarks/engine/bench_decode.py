@@ -301,6 +301,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split-quant-max-rows", type=int, default=None,
                    help="most rows the quantizing SiLU-and-mul splits over programs (silu_mul.SPLIT_QUANT_MAX_ROWS; "
                         "0: one program a row); default: the table's")
+    p.add_argument("--quant-split-rows", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="rows (LOW-HIGH) at which the quantizer splits rows longer than 4,096 over programs "
+                        "(fp8_activations.QUANT_SPLIT_ROWS; no arch as committed); default: the table's")
     p.add_argument("--attention-stages", type=int, default=None,
                    help="pipeline stages of every attention launch (attention.NUM_STAGES); default: the module's")
     args = p.parse_args(argv)
@@ -325,7 +328,7 @@ def _mode_share(text: str) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from elastiserve.kernels import attention, l2_prefetch, nested_gemm, silu_mul, skinny_configs
+    from elastiserve.kernels import attention, fp8_activations, l2_prefetch, nested_gemm, silu_mul, skinny_configs
     from elastiserve.platforms import current_platform
 
     args = parse_args(argv)
@@ -336,6 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  (nested_gemm.FP8_MIN_M_QUANTIZED_LONG_INPUT, args.fp8_min_rows_quantized_long),
                  (nested_gemm.FP8_MIN_M, args.fp8_min_rows),
                  (silu_mul.SPLIT_QUANT_MAX_ROWS, args.split_quant_max_rows),
+                 (fp8_activations.QUANT_SPLIT_ROWS, None if args.quant_split_rows is None
+                  else tuple(args.quant_split_rows)),
                  (nested_gemm.SPLIT_K_MERGE, args.split_k_merge),
                  (l2_prefetch.L2_PREFETCH_SHARE, None if args.l2_prefetch is None else dict(args.l2_prefetch))]
     arch = current_platform().arch

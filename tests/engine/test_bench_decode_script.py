@@ -44,13 +44,14 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
             "--policies", "static-fp16", "elastickv", "--fp8-min-rows-quantized", "1", "--out", str(out),
             "--queue-fast-after", "0.5",  # dropped for these two, which never switch precision
             "--nest-lm-head",  # (b) and (c): the DPS engine's lm_head nested, fast with the last layer
-            "--attention-stages", "3"]
+            "--attention-stages", "3", "--quant-split-rows", "1", "64"]
     if TRACES.is_dir():
         argv += ["--trace-dir", str(TRACES)]
-    from elastiserve.kernels import attention, nested_gemm
+    from elastiserve.kernels import attention, fp8_activations, nested_gemm
 
     stages = attention.NUM_STAGES
     thresholds = dict(nested_gemm.FP8_MIN_M_QUANTIZED_INPUT)
+    split_rows = dict(fp8_activations.QUANT_SPLIT_ROWS)
     load_script().main(argv)
     data = json.loads(out.read_text())
     assert set(data) == {"metadata", "roofline", "fp16_steps", "fast_full", "fast_full_target", "switch", "throughput",
@@ -61,6 +62,7 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     assert meta["settings"]["queue_fast_after"] == 0.5
     assert meta["settings"]["fp8_min_rows_quantized"] == 1 and meta["settings"]["nest_lm_head"] is True
     assert thresholds == nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, "the run restores the routing table"
+    assert meta["settings"]["quant_split_rows"] == [1, 64] and split_rows == fp8_activations.QUANT_SPLIT_ROWS
     assert meta["settings"]["attention_stages"] == 3 and stages == attention.NUM_STAGES
     roof = data["roofline"]
     assert roof["step_s"] > 0 and roof["copy"]["bytes_per_s"] > 0 and roof["fraction"] > 0
