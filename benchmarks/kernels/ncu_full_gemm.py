@@ -22,9 +22,9 @@ from bench_nested_gemm import SHAPES
 from elastiserve.kernels import configs, formats, nested_gemm
 from elastiserve.kernels.formats import Nesting
 
-# (linear, rows): each runs the op's tile of its row bucket (configs.FULL_SM90_TMA): since session 36 gate_up and down
-# take shared-B tiles at 64-256 rows and o at 64; session 36's report (before that routing) has o and down at 64 on
-# session 16's pointer tile and the rest on register-A tall tiles.
+# (linear, rows): each runs the op's tile of its row bucket (configs.FULL_SM90_TMA): shared-B tiles everywhere here
+# except qkv at 128 rows (register A) since session 37; session 36's report (before the shared-B routing) has o and
+# down at 64 on session 16's pointer tile and the rest on register-A tall tiles.
 CASES = (("llama3.1-8b.qkv", 128), ("llama3.1-8b.gate_up", 128), ("llama3.1-8b.o", 64), ("llama3.1-8b.o", 128),
          ("llama3.1-8b.down", 64), ("llama3.1-8b.down", 128), ("llama3.1-8b.qkv", 256))
 
