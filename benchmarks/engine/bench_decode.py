@@ -18,7 +18,7 @@
     python benchmarks/engine/bench_decode.py --device cpu --model '{"architectures": [...], ...}' --requests 8 ...
 
 ``--nest-lm-head`` gives the nested policies' engines a nested lm_head (``EngineConfig.nest_lm_head``): in (b) fast
-mode then reads its upper plane too.
+mode then reads its upper plane too; ``--lm-head-exact-top N`` keeps its N largest logits a row exact there.
 
 ``--model`` is a built-in name (llama-3.1-8b, qwen3-8b, ...), a directory with config.json, a config.json file, or
 a config dict as JSON text (written to a temporary directory).
@@ -277,6 +277,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="(d): dps and combined run every layer in FP8 while a request has waited this long (s)")
     p.add_argument("--nest-lm-head", action="store_true",
                    help="nested policies nest lm_head too (EngineConfig.nest_lm_head): fast mode reads its upper plane")
+    p.add_argument("--lm-head-exact-top", type=int, default=0,
+                   help="with --nest-lm-head: fast mode's head keeps this many logits a row exact (0: off)")
     p.add_argument("--cpu-kv-blocks", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp8-min-rows-quantized", type=int, default=None,

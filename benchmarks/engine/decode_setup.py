@@ -44,13 +44,15 @@ def resolve_model(spec: str, workdir: Path) -> str:
 def build_engine(args: argparse.Namespace, policy: str, *, max_num_seqs: int, kv_bytes: int | None,
                  queue_fast_after_s: float | None = None) -> LLMEngine:
     """``queue_fast_after_s`` applies to the policies that switch precision (dps, combined) and is dropped for the
-    others; ``args.nest_lm_head`` (where the script has it) to the nested-weight policies."""
+    others; ``args.nest_lm_head`` and ``args.lm_head_exact_top`` (where the script has them) to the nested-weight
+    policies."""
     queue_fast = queue_fast_after_s if policy in SWITCHING_POLICIES else None
     nest_lm_head = bool(getattr(args, "nest_lm_head", False)) and policy in NESTED_POLICIES
     config = EngineConfig(model=args.model_dir, policy=policy, device=args.device, load_format="dummy",
                           max_num_seqs=max_num_seqs, max_model_len=args.max_model_len, kv_cache_budget=kv_bytes,
                           cpu_kv_blocks=args.cpu_kv_blocks, seed=args.seed, queue_fast_after_s=queue_fast,
-                          nest_lm_head=nest_lm_head)
+                          nest_lm_head=nest_lm_head,
+                          lm_head_exact_top=int(getattr(args, "lm_head_exact_top", 0)) if nest_lm_head else 0)
     return LLMEngine(config, eos_token_ids=())
 
 

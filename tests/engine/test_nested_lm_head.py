@@ -2,7 +2,8 @@
 bit for bit (a tied head gets planes of its own and leaves the embedding's table alone); it runs fast only with the
 last decoder layer and then reads its upper plane only; its lower plane is part of the last layer's residual, so a
 dps engine hands it to KV with that layer, restores it bit-exactly, and switches the head with the layers without
-recomputing anything."""
+recomputing anything. With ``lm_head_exact_top`` the head reads its lower plane in fast mode for its top logits,
+so the plane stays resident instead."""
 
 from __future__ import annotations
 
@@ -144,5 +145,50 @@ def test_the_control_plane_sees_the_last_layers_residual_grown_by_the_head(devic
         first, *_, last = obs.layer_units
         assert len(obs.layer_units) == LAYERS and last > first == obs.units_per_layer
         assert obs.units_of(LAYERS - 1) == last
+    finally:
+        engine.close()
+
+
+def test_exact_top_needs_a_nested_head_and_a_count():
+    with pytest.raises(ConfigError, match="lm_head_exact_top needs nest_lm_head"):
+        EngineConfig(model="x", policy="dps", lm_head_exact_top=8)
+    with pytest.raises(ConfigError, match="lm_head_exact_top=-1"):
+        EngineConfig(model="x", policy="dps", nest_lm_head=True, lm_head_exact_top=-1)
+
+
+def test_a_head_with_exact_top_logits_keeps_its_lower_plane_while_the_layers_lend_theirs(device):
+    """``lm_head_exact_top``: fast mode reads the head's lower plane for its top rows, so the plane is not part of
+    the last layer's residual; KV written over every free block (the evicted units among them) leaves it intact,
+    and the request that ran through eviction and restore finishes without recompute."""
+    from elastiserve.engine.nested_weights import layer_lower_planes
+
+    block = 4 if device.type == "cpu" else 16
+    options = dict(model="tiny", device=device.type, policy="dps", block_size=block, max_num_batched_tokens=16,
+                   max_num_seqs=4, kv_cache_budget=96 * LAYERS * 2 * 2 * block * 16 * 2, sink_pairs=1, recent_pairs=1,
+                   nest_lm_head=True, lm_head_exact_top=4)
+    engine = LLMEngine(EngineConfig(**options), model=tiny_model(device, False),
+                       policy=EvictThenRestore(evict_at=3, restore_from=5), eos_token_ids=())
+    try:
+        head = engine.model.lm_head
+        assert isinstance(head, NestedLinear) and head.is_nested and head.exact_top == 4
+        residuals = layer_lower_planes(engine.model)
+        assert all(head not in mods for mods in residuals.values()) and residuals[LAYERS - 1]
+        lower_before = head.lower.clone()
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        engine.add_request("r", SEQUENCES[0], params)
+        seq = engine.scheduler.find("r")
+        for _ in range(3):
+            engine.step()
+        assert engine.runner.fast_layers == frozenset(range(LAYERS)) and head.fast
+        pool = engine.kv.pool
+        blocks = pool.allocate(pool.num_free(False), False)
+        engine.runner.kv_cache[blocks] = torch.randn_like(engine.runner.kv_cache[blocks])
+        pool.free(blocks)
+        assert torch.equal(head.lower, lower_before), "the head's lower plane is not lent to KV"
+        while engine.has_unfinished():
+            engine.step()
+            time.sleep(0.002)
+        assert seq.num_output_tokens == 12 and seq.metrics.preemptions == 0 and seq.metrics.fast_mode_tokens > 0
+        assert torch.equal(head.lower, lower_before)
     finally:
         engine.close()

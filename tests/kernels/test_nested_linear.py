@@ -1,7 +1,8 @@
 """Pins NestedLinear and nest_model: conversion of fp16 / bf16 / fp32 linears, the 16-bit fallback with its reason,
 full mode equal to the original layer, fast mode close to it, mode switching, binding an external lower plane,
 a layer with max|w| = 5 nesting as E4M3 with prescale 2^-2 (full mode equal to the layer, reported as prescaled),
-and a tiny nested model under ``torch.compile(fullgraph=True)`` in both modes.
+a tiny nested model under ``torch.compile(fullgraph=True)`` in both modes, and a head that keeps its largest
+fast-mode logits exact (``exact_top``).
 """
 
 import pytest
@@ -141,3 +142,49 @@ def test_compile_fullgraph_both_modes(device):
 def test_mode_name_is_validated():
     with pytest.raises(ConfigError):
         nested_linear._check_mode("half")
+
+
+@pytest.mark.parametrize("scale", [0.05, 20.0])  # E4M3 (a prescale from 1.8192 up) and E5M2 heads
+def test_exact_top_logits_are_the_full_heads_and_the_rest_the_fast_heads(device, scale):
+    """A head that keeps its 5 largest fast-mode logits a row exact: those entries equal full mode's (the exact fp16
+    weight; fp32 sums in another order), every other entry is fast mode's bit for bit, and the argmax is full mode's
+    wherever full mode's top logit is among fast mode's top 5."""
+    head = _linear(64, 300, torch.float16, device, scale=scale, seed=8)
+    nested, _ = NestedLinear.from_linear(head)
+    x = torch.randn(7, 64, device=device, dtype=torch.float16)
+    full = nested(x)
+    nested.set_mode("fast")
+    fast = nested(x)
+    nested.set_exact_top(5)
+    assert not nested.takes_fp8_rows(7) and not nested.takes_fp8_rows(4096)  # the exact rows need 16-bit x
+    got = nested(x)
+    picked = fast.float().topk(5, dim=-1).indices
+    kept = torch.ones_like(fast, dtype=torch.bool).scatter(-1, picked, False)
+    assert torch.equal(got[kept], fast[kept])
+    scale_out = full.float().abs().max()
+    assert float((got.gather(-1, picked).float() - full.gather(-1, picked).float()).abs().max()) <= 2e-3 * scale_out
+    moved = float((fast.gather(-1, picked).float() - full.gather(-1, picked).float()).abs().max())
+    assert moved > 1e-2 * scale_out  # the fast head's values there were not already the full head's
+    in_top = (full.argmax(-1, keepdim=True) == picked).any(-1)
+    assert bool(in_top.all()) and torch.equal(got.argmax(-1), full.argmax(-1))
+    nested.set_mode("full")
+    assert torch.equal(nested(x), full)  # full mode ignores exact_top
+    with pytest.raises(ConfigError, match=r"exact_top must be in 0\.\.300"):
+        nested.set_exact_top(301)
+
+
+def test_exact_top_logits_reference_with_bias_and_the_plain_layers_refusal(device):
+    from elastiserve.kernels import formats
+
+    head = _linear(48, 40, torch.float16, device, seed=9)
+    nested, _ = NestedLinear.from_linear(head)
+    x = torch.randn(3, 48, device=device, dtype=torch.float16)
+    approx = torch.randn(3, 40, device=device, dtype=torch.float16)
+    got = nested_linear.exact_top_logits(x, approx, nested.upper, nested.lower, nested.bias, nested.nesting,
+                                         nested.weight_exp, 40)  # every entry recomputed: the exact layer
+    weight = formats.merge(nested.upper, nested.lower, nested.nesting, nested.weight_exp)
+    want = (x.float() @ weight.float().T + nested.bias.float()).half()
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    plain = NestedLinear(8, 4, Nesting.NONE)
+    with pytest.raises(ConfigError, match="exact_top needs a nested layer"):
+        plain.set_exact_top(2)

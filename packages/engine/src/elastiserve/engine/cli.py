@@ -93,6 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
     p.add_argument("--nest-lm-head", action="store_true",
                    help="nested policies: lm_head in nested planes too, read in FP8 while every layer runs fast "
                         "(its logits then move; off by default)")
+    p.add_argument("--lm-head-exact-top", dest="lm_head_exact_top", type=int, default=0,
+                   help="with --nest-lm-head: recompute this many of the largest logits a row from the head's exact "
+                        "fp16 rows in fast mode (its lower plane then stays resident); 0: off")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of prompt prefixes (whole pairs of blocks) that earlier requests computed")
     p.add_argument("--no-gc-shadow", dest="gc_in_step_shadow", action="store_false",
@@ -107,7 +110,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
 ENGINE_FIELDS = ("device", "dtype", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
                  "host_backing_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "tensor_parallel_size", "load_format", "enforce_eager", "graph_capture_after", "mixed_graphs",
-                 "max_step_time_s", "queue_fast_after_s", "nest_lm_head", "enable_prefix_caching", "gc_in_step_shadow",
+                 "max_step_time_s", "queue_fast_after_s", "nest_lm_head", "lm_head_exact_top",
+                 "enable_prefix_caching", "gc_in_step_shadow",
                  "seed", "cpu_kv_blocks", "scheduling_policy")
 
 

@@ -7,7 +7,9 @@ block's ``grouped_gemm`` hook sends them to the nested kernel. A tensor that can
 
 Nested experts are part of their decoder layer's residual: ``layer_lower_planes`` lists them with the layer's
 linears, so evicting the layer frees their lower bytes too and the restore brings them back. A nested ``lm_head``
-(``EngineConfig.nest_lm_head``) is part of the last layer's, whose mode it follows (``set_layer_modes``).
+(``EngineConfig.nest_lm_head``) is part of the last layer's, whose mode it follows (``set_layer_modes``), unless it
+keeps its top logits exact (``EngineConfig.lm_head_exact_top``): it reads its lower plane in fast mode then, so the
+plane stays resident.
 """
 
 from __future__ import annotations
@@ -126,16 +128,21 @@ def nest_experts(block: SparseMoeBlock, prefix: str, report: NestingReport) -> N
     block.grouped_gemm = grouped_gemm_nested
 
 
-def nest_weights(model: nn.Module, lm_head: bool = False) -> NestingReport:
+def nest_weights(model: nn.Module, lm_head: bool = False, exact_top: int = 0) -> NestingReport:
     """Nest every ``nn.Linear`` but the MoE routers (and ``lm_head`` unless ``lm_head``), and every MoE block's
     stacked experts, in place.
 
     The router (``gate``, hidden x num_experts: 0.1 % of a Qwen3-MoE layer's bytes) stays 16-bit, as serving systems
     keep it: an FP8 router would change which experts run in fast mode, not only how precisely they run. A nested
     ``lm_head`` (``EngineConfig.nest_lm_head``) is built from its weight's values, so a tied one leaves the embedding
-    its fp16 table; it runs fast with the last decoder layer, whose residual holds its lower plane.
+    its fp16 table; it runs fast with the last decoder layer, whose residual holds its lower plane. With ``exact_top``
+    its ``exact_top`` largest logits a row are exact in fast mode (``NestedLinear.set_exact_top``); a head that could
+    not nest is 16-bit and exact anyway.
     """
     report = nest_model(model, skip=("gate",) if lm_head else ("lm_head", "gate"))
+    head = getattr(model, "lm_head", None)
+    if lm_head and exact_top and isinstance(head, NestedLinear) and head.is_nested:
+        head.set_exact_top(exact_top)
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
     for name, block in blocks:
         nest_experts(block, name, report)
@@ -166,6 +173,6 @@ def layer_lower_planes(model: nn.Module) -> dict[int, list[Any]]:
             planes[index] = mods
     head = getattr(model, "lm_head", None)
     last = len(model.decoder_layers) - 1
-    if isinstance(head, NestedLinear) and head.is_nested and last in planes:
+    if isinstance(head, NestedLinear) and head.is_nested and not head.exact_top and last in planes:
         planes[last].append(head)
     return planes

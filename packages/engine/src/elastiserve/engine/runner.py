@@ -51,7 +51,8 @@ class ModelRunner:
         self.model_config = model.config
         self.block_size = config.block_size
         self.ops = kernel_ops(device)
-        self.nested = nest_weights(model, config.nest_lm_head) if config.uses_nested_weights else None
+        self.nested = nest_weights(model, config.nest_lm_head, config.lm_head_exact_top) \
+            if config.uses_nested_weights else None
         self.fast_layers: frozenset[int] = frozenset()
         self.forced_fast_layers: frozenset[int] = frozenset()  # pinned by tests and demos
         self.pool = create_kv_pool(config, model, device, self.nested)
@@ -364,10 +365,10 @@ class ModelRunner:
 
 
 # ---- seams to the other packages (kept thin so integration changes stay here) ----------------------------------
-def nest_weights(model: torch.nn.Module, lm_head: bool) -> Any:
+def nest_weights(model: torch.nn.Module, lm_head: bool, exact_top: int) -> Any:
     from elastiserve.engine import nested_weights  # Triton kernels: imported only by nested-weight policies
 
-    return nested_weights.nest_weights(model, lm_head=lm_head)
+    return nested_weights.nest_weights(model, lm_head=lm_head, exact_top=exact_top)
 
 
 def token_logprobs(logits: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams]) -> list[Any]:

@@ -3,6 +3,12 @@
 A layer that cannot nest (range, dtype, non-finite) keeps its 16-bit weight and runs ``F.linear`` in both modes.
 ``nest_model`` converts every ``nn.Linear`` of an ordinary PyTorch / transformers model in place and reports why
 each unnested layer stayed 16-bit.
+
+A nested output head may keep its largest fast-mode outputs exact (``NestedLinear.exact_top``): the ``top`` largest
+logits of each row are recomputed from the exact fp16 rows of the weight (both planes of just those rows), so greedy
+decoding and the probability mass near the top see the full-precision head while the head reads its upper plane
+only. ``exact_top_logits`` is that step, in plain torch ops (top-k, row gather, merge, a batched dot, scatter): a few
+small launches on a GPU, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class NestedLinear(nn.Module):
         except ValueError as err:
             raise ConfigError(str(err)) from err
         self.fast = False
+        self.exact_top = 0  # fast mode: the largest outputs a row recomputed exactly (exact_top_logits); 0 = none
         shape = (out_features, in_features)
         if self.nesting is Nesting.NONE:
             self.register_buffer("weight", torch.zeros(shape, dtype=dtype, device=device))
@@ -119,7 +126,17 @@ class NestedLinear(nn.Module):
     def takes_fp8_rows(self, rows: int) -> bool:
         """Whether a forward over ``rows`` rows runs fast mode's fp8 GEMM, so that the norm or SiLU-and-mul before
         it may hand it ``Fp8Rows`` (quantized in that kernel) instead of fp16 rows for the GEMM to quantize."""
-        return self.is_nested and self.fast and fast_mode_for(rows, quantized_input=True, k=self.in_features) == "fp8"
+        return (self.is_nested and self.fast and not self.exact_top
+                and fast_mode_for(rows, quantized_input=True, k=self.in_features) == "fp8")
+
+    def set_exact_top(self, top: int) -> None:
+        """Keep the ``top`` largest outputs of each row exact in fast mode (0: off); the head's 16-bit rows are
+        needed for them, so the layer then takes fp16 rows only (``takes_fp8_rows`` is False)."""
+        if not self.is_nested:
+            raise ConfigError("exact_top needs a nested layer")
+        if not 0 <= top <= self.out_features:
+            raise ConfigError(f"exact_top must be in 0..{self.out_features} (the outputs), got {top}")
+        self.exact_top = int(top)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):
@@ -132,11 +149,30 @@ class NestedLinear(nn.Module):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features).to(torch.float16)
         y = nested_linear_op(x2d, self.upper, self.lower, self.bias, int(self.nesting), self.fast, self.weight_exp)
+        if self.fast and self.exact_top:
+            y = exact_top_logits(x2d, y, self.upper, self.lower, self.bias, self.nesting, self.weight_exp,
+                                 self.exact_top)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
+        top = f", exact_top={self.exact_top}" if self.exact_top else ""
         return (f"in={self.in_features}, out={self.out_features}, nesting={self.nesting.name}, "
-                f"weight_exp={self.weight_exp}, fast={self.fast}")
+                f"weight_exp={self.weight_exp}, fast={self.fast}{top}")
+
+
+def exact_top_logits(x: torch.Tensor, approx: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
+                     bias: torch.Tensor | None, nesting: Nesting, weight_exp: int, top: int) -> torch.Tensor:
+    """``approx`` [R, N] (fast mode's ``x @ W.T + b`` for rows ``x`` [R, K]) with each row's ``top`` largest entries
+    replaced by the exact weight's: those weight rows merged from both planes (bit-exact fp16), an fp32 dot with the
+    row, rounded to ``approx``'s dtype as the full-mode GEMM rounds. Ties in ``approx`` pick any ``top``; an entry
+    outside them keeps its fast-mode value. Returns a new tensor."""
+    top = min(int(top), approx.shape[-1])
+    picked = approx.topk(top, dim=-1, sorted=False).indices  # [R, top]
+    weight = formats.merge(upper[picked], lower[picked], nesting, weight_exp)  # [R, top, K] fp16
+    exact = torch.matmul(weight.float(), x.float().unsqueeze(-1)).squeeze(-1)  # [R, top] fp32
+    if bias is not None:
+        exact = exact + bias.float()[picked]
+    return approx.scatter(-1, picked, exact.to(approx.dtype))
 
 
 @dataclass

@@ -8,6 +8,8 @@ greedy generation agreement on a fixed prompt set, for:
   with (exact merge / upper plane, from the kernels' formats); in float16 runs `nest_model` + `set_mode` themselves;
 * ``fast-lm-head``: ``fast`` with ``lm_head`` nested too and read from its upper plane (``--nest-lm-head``); a tied
   head gets weights of its own, the embedding keeps its fp16 table;
+* ``fast-lm-head-exact``: ``fast-lm-head`` with each row's ``exact_top`` largest logits recomputed from the head's
+  exact fp16 rows (``--lm-head-exact-top``, ``NestedLinear.exact_top``);
 * ``base-5%`` ... ``base-100%``: fp16 weights, K/V of BASE pairs rounded to E5M2 (fp16 high byte, ties away from
   zero: exactly what demotion stores). For a query at position t the visible complete pairs are split into sinks
   (the first ``sink_pairs``), recent (the last ``recent_pairs``) and middle; the oldest middle pairs are BASE, as many
@@ -62,6 +64,7 @@ class QualityConfig:
     # nesting formats (bit-exact split/merge, fast = upper plane, weight-only). float16: the model is nested by
     # ``nest_model`` and switched with ``set_mode``, running the nested GEMM ops themselves (slow on a CPU).
     compute_dtype: str = "float32"
+    exact_top: int = 16  # fast-lm-head-exact: logits a row the head keeps exact (EngineConfig.lm_head_exact_top)
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -218,10 +221,28 @@ def _decoder_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for layer in model.decoder_layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def nested_weights_(model: torch.nn.Module, mode: str, lm_head: bool = False) -> int:
+class _ExactTopHead(torch.nn.Module):
+    """float32 runs' fast head with its ``top`` largest logits a row exact: the fast weight (upper plane as fp16)
+    for every logit, then ``exact_top_logits`` (the kernels' step) from the planes."""
+
+    def __init__(self, fast_weight: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor], nesting: Any, exp: int,
+                 top: int) -> None:
+        super().__init__()
+        self.fast_weight, self.planes, self.nesting, self.exp, self.top = fast_weight, planes, nesting, exp, top
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from elastiserve.kernels.nested_linear import exact_top_logits
+
+        rows = x.reshape(-1, x.shape[-1])
+        logits = exact_top_logits(rows, rows @ self.fast_weight.T, *self.planes, None, self.nesting, self.exp, self.top)
+        return logits.reshape(*x.shape[:-1], -1)
+
+
+def nested_weights_(model: torch.nn.Module, mode: str, lm_head: bool = False, exact_top: int = 0) -> int:
     """Replace decoder linear weights (and ``lm_head``'s with ``lm_head``) by what nested ``mode`` computes with
     (formats of `elastiserve.kernels`): full = merge(split(w)) (exact), fast = the upper plane as fp16, both with the
-    layer's E4M3 prescale 2^s applied back. Returns the number of nested layers."""
+    layer's E4M3 prescale 2^s applied back; a fast ``lm_head`` with ``exact_top`` keeps that many logits a row exact
+    (``_ExactTopHead``). Returns the number of nested layers."""
     from elastiserve.kernels import formats
 
     nested = 0
@@ -231,6 +252,11 @@ def nested_weights_(model: torch.nn.Module, mode: str, lm_head: bool = False) ->
         if nesting is formats.Nesting.NONE:
             continue
         upper, lower = formats.split(w16, nesting, exp)
+        if module is model.lm_head and mode == "fast" and exact_top:
+            fast = formats.upper_as_fp16(upper, nesting, exp).to(module.weight.dtype)
+            model.lm_head = _ExactTopHead(fast, (upper, lower), nesting, exp, exact_top)
+            nested += 1
+            continue
         if mode == "full":
             value = formats.merge(upper, lower, nesting, exp)
         else:
@@ -290,7 +316,8 @@ def run_quality(cfg: QualityConfig | None = None, *, progress: bool = False) -> 
     plan: list[tuple[str, Any]] = []
     for cap in cfg.base_caps:
         plan.append((f"base-{100 * cap:g}%", cap))
-    plan += [("fp8-kv", None), ("fp8-weights", None), ("full", None), ("fast", None), ("fast-lm-head", None)]
+    plan += [("fp8-kv", None), ("fp8-weights", None), ("full", None), ("fast", None), ("fast-lm-head", None),
+             ("fast-lm-head-exact", None)]
     bar = tqdm(plan, desc="quality", disable=not progress)
     for name, cap in bar:
         if not wanted(name):
@@ -309,16 +336,19 @@ def run_quality(cfg: QualityConfig | None = None, *, progress: bool = False) -> 
             if name == "fp8-weights":
                 fp8_weights_(rounded)
             else:
-                nested_weights_(rounded, name.removesuffix("-lm-head"), lm_head=name == "fast-lm-head")
+                nested_weights_(rounded, "full" if name == "full" else "fast", lm_head="lm-head" in name,
+                                exact_top=cfg.exact_top if name == "fast-lm-head-exact" else 0)
             results.append(_variant(name, rounded, *common, exact_ctx, reference, ref_gen, cfg.gen_tokens))
             del rounded
         else:  # float16 full / fast: nest once with the kernels, in place (the reference runs are done)
             if not getattr(model, "_quality_nested", False):
                 nest_model(model)
                 model._quality_nested = True
-            if name == "fast-lm-head":  # the last variant: lm_head nested from here on
+            if "lm-head" in name and not isinstance(model.lm_head, NestedLinear):  # the last variants: nested on
                 model.lm_head = NestedLinear.from_linear(model.lm_head)[0]
-            set_mode(model, name.removesuffix("-lm-head"))
+            if name == "fast-lm-head-exact" and model.lm_head.is_nested:
+                model.lm_head.set_exact_top(cfg.exact_top)
+            set_mode(model, "full" if name == "full" else "fast")
             results.append(_variant(name, model, *common, exact_ctx, reference, ref_gen, cfg.gen_tokens))
     return {"config": asdict(cfg), "results": [asdict(r) for r in results]}
 
@@ -347,10 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-tokens", type=int, default=16)
     p.add_argument("--variant", dest="variants", action="append", default=None)
     p.add_argument("--compute-dtype", default="float32", choices=("float32", "float16"))
+    p.add_argument("--exact-top", type=int, default=QualityConfig.exact_top,
+                   help="fast-lm-head-exact: the head's largest logits a row recomputed exactly")
     p.add_argument("--out", type=Path, default=Path("bench-results/quality.json"))
     args = p.parse_args(argv)
     cfg = QualityConfig(num_tokens=args.tokens, seq_len=args.seq_len, block_size=args.block_size,
-                        gen_tokens=args.gen_tokens, compute_dtype=args.compute_dtype,
+                        gen_tokens=args.gen_tokens, compute_dtype=args.compute_dtype, exact_top=args.exact_top,
                         variants=tuple(args.variants) if args.variants else None)
     report = run_quality(cfg, progress=True)
     report["metadata"] = run_metadata(model=cfg.model, settings=asdict(cfg))
