@@ -1,6 +1,7 @@
 """Pins that the nested ops are CUDA-graph capturable: a NestedLinear model and the grouped MoE op are captured in
 both modes (fast at a decode and a prefill batch, so both the weight-only and the fp8 path), replayed on new
-inputs, and match eager execution. CUDA only: capture needs a GPU.
+inputs, and match eager execution; so is a fast head that keeps its top logits exact. CUDA only: capture needs a
+GPU.
 """
 
 import pytest
@@ -43,6 +44,23 @@ def test_nested_model_graph_replay(device, mode, batch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.allclose(static_y, model(static_x), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("batch", [1, 40])
+def test_exact_top_head_graph_replay(device, batch):
+    """A fast head that keeps its 8 largest logits a row exact (top-k, row gather, merge, dot, scatter) replays."""
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(512, 4000, bias=False)).to(device).half()
+    nest_model(head, skip=())
+    set_mode(head, "fast")
+    head[0].set_exact_top(8)
+    static_x = torch.randn(batch, 512, device=device, dtype=torch.float16)
+    graph, static_y = _capture(head, static_x)
+    for _ in range(2):
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(static_y, head(static_x), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("fast", [False, True])

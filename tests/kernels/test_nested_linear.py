@@ -128,10 +128,13 @@ def test_bind_lower_uses_external_view(device):
         nested.bind_lower(torch.zeros(48, 41, dtype=torch.uint8, device=device))
 
 
-def test_compile_fullgraph_both_modes(device):
+@pytest.mark.parametrize("exact_top", [0, 3])  # 3: the head keeps 3 fast-mode logits a row exact
+def test_compile_fullgraph_both_modes(device, exact_top):
     torch._dynamo.reset()
     model = TinyModel(device)
-    nest_model(model)
+    nest_model(model, skip=())
+    if exact_top:
+        model.lm_head.set_exact_top(exact_top)
     x = torch.randn(9, 40, device=device, dtype=torch.float16)
     compiled = torch.compile(model, fullgraph=True)
     for mode in ("full", "fast", "full"):
