@@ -44,6 +44,7 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
             "--policies", "static-fp16", "elastickv", "--fp8-min-rows-quantized", "1", "--out", str(out),
             "--queue-fast-after", "0.5",  # dropped for these two, which never switch precision
             "--nest-lm-head",  # (b) and (c): the DPS engine's lm_head nested, fast with the last layer
+            "--lm-head-exact-top", "4",  # ... keeping its 4 largest logits a row exact in fast mode
             "--attention-stages", "3", "--quant-split-rows", "1", "64"]
     if TRACES.is_dir():
         argv += ["--trace-dir", str(TRACES)]
@@ -61,6 +62,7 @@ def test_bench_decode_main_on_a_tiny_config(tmp_path):
     assert meta["settings"]["batches"] == [1, 2] and meta["settings"]["device"] == "cpu"
     assert meta["settings"]["queue_fast_after"] == 0.5
     assert meta["settings"]["fp8_min_rows_quantized"] == 1 and meta["settings"]["nest_lm_head"] is True
+    assert meta["settings"]["lm_head_exact_top"] == 4
     assert thresholds == nested_gemm.FP8_MIN_M_QUANTIZED_INPUT, "the run restores the routing table"
     assert meta["settings"]["quant_split_rows"] == [1, 64] and split_rows == fp8_activations.QUANT_SPLIT_ROWS
     assert meta["settings"]["attention_stages"] == 3 and stages == attention.NUM_STAGES
