@@ -6,9 +6,9 @@ each unnested layer stayed 16-bit.
 
 A nested output head may keep its largest fast-mode outputs exact (``NestedLinear.exact_top``): the ``top`` largest
 logits of each row are recomputed from the exact fp16 rows of the weight (both planes of just those rows), so greedy
-decoding and the probability mass near the top see the full-precision head while the head reads its upper plane
-only. ``exact_top_logits`` is that step, in plain torch ops (top-k, row gather, merge, a batched dot, scatter): a few
-small launches on a GPU, capturable in a CUDA graph.
+decoding and the probability mass near the top see the full-precision head while every other logit comes from the
+upper plane alone. ``exact_top_logits`` is that step, in plain torch ops (top-k, row gather, merge, a batched dot,
+scatter): a few small launches on a GPU, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
