@@ -27,6 +27,16 @@ def _capture(fn, static_input):
     return graph, static_output
 
 
+def _replays_match(model, static_x):
+    """Capture ``model`` on ``static_x``, then replay on new inputs twice: each replay matches eager execution."""
+    graph, static_y = _capture(model, static_x)
+    for _ in range(2):
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(static_y, model(static_x), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("mode", ["full", "fast"])
 @pytest.mark.parametrize("batch", [3, 300])
 def test_nested_model_graph_replay(device, mode, batch):
@@ -38,12 +48,7 @@ def test_nested_model_graph_replay(device, mode, batch):
     assert [kind for kind, _ in report.layers.values()] == [Nesting.E4M3, Nesting.E5M2]
     set_mode(model, mode)
     static_x = torch.randn(batch, 512, device=device, dtype=torch.float16)
-    graph, static_y = _capture(model, static_x)
-    for _ in range(2):
-        static_x.copy_(torch.randn_like(static_x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.allclose(static_y, model(static_x), rtol=1e-2, atol=1e-2)
+    _replays_match(model, static_x)
 
 
 @pytest.mark.parametrize("batch", [1, 40])
@@ -55,12 +60,7 @@ def test_exact_top_head_graph_replay(device, batch):
     set_mode(head, "fast")
     head[0].set_exact_top(8)
     static_x = torch.randn(batch, 512, device=device, dtype=torch.float16)
-    graph, static_y = _capture(head, static_x)
-    for _ in range(2):
-        static_x.copy_(torch.randn_like(static_x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.allclose(static_y, head(static_x), rtol=1e-2, atol=1e-2)
+    _replays_match(head, static_x)
 
 
 @pytest.mark.parametrize("fast", [False, True])
