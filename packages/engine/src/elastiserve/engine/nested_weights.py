@@ -141,7 +141,7 @@ def nest_weights(model: nn.Module, lm_head: bool = False, exact_top: int = 0) ->
     """
     report = nest_model(model, skip=("gate",) if lm_head else ("lm_head", "gate"))
     head = getattr(model, "lm_head", None)
-    if lm_head and exact_top and isinstance(head, NestedLinear) and head.is_nested:
+    if exact_top and isinstance(head, NestedLinear) and head.is_nested:  # a NestedLinear only when lm_head
         head.set_exact_top(exact_top)
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
     for name, block in blocks:

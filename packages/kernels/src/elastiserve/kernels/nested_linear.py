@@ -171,7 +171,7 @@ def exact_top_logits(x: torch.Tensor, approx: torch.Tensor, upper: torch.Tensor,
     weight = formats.merge(upper[picked], lower[picked], nesting, weight_exp)  # [R, top, K] fp16
     exact = torch.matmul(weight.float(), x.float().unsqueeze(-1)).squeeze(-1)  # [R, top] fp32
     if bias is not None:
-        exact = exact + bias.float()[picked]
+        exact = exact + bias[picked].float()  # the picked entries only, not the whole vocabulary's bias
     return approx.scatter(-1, picked, exact.to(approx.dtype))
 
 
