@@ -4,6 +4,9 @@
 # platforms (180 tests, 3 min at 76369d0); PART=kernels all of tests/kernels, which no longer fits one call on a fresh
 # venv (301 tests: cut at 252 by 560 s in session 34), so PART=kernels-a (its files before test_nested_gemm.py) and
 # PART=kernels-b (test_nested_gemm.py and after) split it in two calls. Limit SUITE_LIMIT seconds (default 585).
+# PART=all runs the whole suite in one call: tests/kernels over WORKERS pytest-xdist processes (default 6, whole
+# files a worker: the kernel tests are bound by Triton compiles on the CPU, 9.5 of their 12.5 min serial in session
+# 37, and none reads free GPU memory), then the rest serially (the engine sizes its KV pool from free memory).
 source ci/gpu/bootstrap.sh
 set +e
 start_round
@@ -12,12 +15,22 @@ kernel_files() {  # a | b: tests/kernels' files before / from test_nested_gemm.p
     if [[ "$(basename $f)" < "test_nested_gemm.py" ]]; then [ "$1" = a ] && echo $f; else [ "$1" = b ] && echo $f; fi
   done
 }
-case "${PART:?set PART=kernels, kernels-a, kernels-b or rest}" in
+if [ "${PART:-}" = all ]; then
+  t0=$SECONDS
+  (time timeout ${SUITE_LIMIT:-585} nox -s test-cuda -- tests/kernels -n ${WORKERS:-6} --dist loadfile) \
+    > $OUT/test-cuda-kernels.log 2>&1
+  left=$(( ${SUITE_LIMIT:-585} - (SECONDS - t0) ))
+  (time timeout $left nox -s test-cuda -- tests/control tests/engine tests/memory tests/platforms) \
+    > $OUT/test-cuda-rest.log 2>&1
+  for part in kernels rest; do grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-$part.log | tail -8; done
+  exit 0
+fi
+case "${PART:?set PART=all, kernels, kernels-a, kernels-b or rest}" in
   kernels) dirs="tests/kernels" ;;
   kernels-a) dirs=$(kernel_files a) ;;
   kernels-b) dirs=$(kernel_files b) ;;
   rest) dirs="tests/control tests/engine tests/memory tests/platforms" ;;
-  *) echo "PART must be kernels, kernels-a, kernels-b or rest, not $PART"; exit 2 ;;
+  *) echo "PART must be all, kernels, kernels-a, kernels-b or rest, not $PART"; exit 2 ;;
 esac
 (time timeout ${SUITE_LIMIT:-585} nox -s test-cuda -- $dirs) > $OUT/test-cuda-$PART.log 2>&1
 grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-$PART.log | tail -12
