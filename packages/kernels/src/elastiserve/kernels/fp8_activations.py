@@ -33,10 +33,12 @@ QUANT_SHORT_K, QUANT_FEW_ROWS = 4096, 128
 # (each chunk's max |x|, then the row scale from those maxima and the chunk's codes) instead of one program a row.
 # Why: one 4-warp program a row leaves 8 warps a SM at 256 rows, each walking its 14,336 values twice; on the H200 the
 # down GEMM at 256 rows ran 50.9 us in fast mode with its rows quantized in the op against 34.8 on rows quantized
-# beforehand (session 37, benchmarks/kernels/results/h200-nested-gemm-s37.json). The split route's GPU timing is
-# ``ci/gpu/quant_split_round.sh`` (probe_quantizer.py): until it runs, no arch takes it (the tests set it per arch,
-# so the interpreter covers both routes).
-QUANT_SPLIT_ROWS: dict[str, tuple[int, int]] = {}
+# beforehand (session 37, benchmarks/kernels/results/h200-nested-gemm-s37.json). Measured on an H100 (session 39,
+# ci/gpu/quant_split_round.sh, raw benchmarks/kernels/results/h100-quant-split-s39.*): the split quantizer is 1.06-1.54x
+# the one-program route at 16-256 rows and 0.69-0.88x at 512-4,096 (K 12,288 and 14,336); through the op the down GEMM
+# in fast mode runs 1-13 % faster at 2-256 rows (Llama-3.1-8B at 256: 56.1 -> 50.2 us) and 4-6 % slower at 1,024 with
+# the split on there. Not yet timed on an H200 (same sm90 table).
+QUANT_SPLIT_ROWS: dict[str, tuple[int, int]] = {"sm90": (2, 256)}
 SPLIT_BLOCK = 1024
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 _FP8_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e4m3fnuz: 2.0**-7}
