@@ -4,9 +4,8 @@
 # platforms (180 tests, 3 min at 76369d0); PART=kernels all of tests/kernels, which no longer fits one call on a fresh
 # venv (301 tests: cut at 252 by 560 s in session 34), so PART=kernels-a (its files before test_nested_gemm.py) and
 # PART=kernels-b (test_nested_gemm.py and after) split it in two calls. Limit SUITE_LIMIT seconds (default 585).
-# PART=all runs the whole suite in one call: tests/kernels over WORKERS pytest-xdist processes (default 6, whole
-# files a worker: the kernel tests are bound by Triton compiles on the CPU, 9.5 of their 12.5 min serial in session
-# 37, and none reads free GPU memory), then the rest serially (the engine sizes its KV pool from free memory).
+# PART=all runs the whole suite in one call, as plain `nox -s test-cuda` (tests/kernels over pytest-xdist workers,
+# then the rest serially: noxfile.py's GPU_KERNEL_WORKERS_MAX says why; 6.8 min on an H100 in session 39).
 source ci/gpu/bootstrap.sh
 set +e
 start_round
@@ -15,14 +14,9 @@ kernel_files() {  # a | b: tests/kernels' files before / from test_nested_gemm.p
     if [[ "$(basename $f)" < "test_nested_gemm.py" ]]; then [ "$1" = a ] && echo $f; else [ "$1" = b ] && echo $f; fi
   done
 }
-if [ "${PART:-}" = all ]; then
-  t0=$SECONDS
-  (time timeout ${SUITE_LIMIT:-585} nox -s test-cuda -- tests/kernels -n ${WORKERS:-6} --dist loadfile) \
-    > $OUT/test-cuda-kernels.log 2>&1
-  left=$(( ${SUITE_LIMIT:-585} - (SECONDS - t0) ))
-  (time timeout $left nox -s test-cuda -- tests/control tests/engine tests/memory tests/platforms) \
-    > $OUT/test-cuda-rest.log 2>&1
-  for part in kernels rest; do grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-$part.log | tail -8; done
+if [ "${PART:-}" = all ]; then  # the plain command: the noxfile runs the kernel files over xdist workers itself
+  (time timeout ${SUITE_LIMIT:-585} nox -s test-cuda) > $OUT/test-cuda-all.log 2>&1
+  grep -E "passed|failed|FAILED|Error|real" $OUT/test-cuda-all.log | tail -8
   exit 0
 fi
 case "${PART:?set PART=all, kernels, kernels-a, kernels-b or rest}" in
