@@ -2,9 +2,9 @@
 # One device call on a one-GPU host (~7 min), written in session 38 without a GPU: the nested head that keeps each
 # row's N largest fast-mode logits exact (--lm-head-exact-top N, with --nest-lm-head; off by default). On SmolLM2
 # (CPU) N = 16 keeps fast mode's top-1 agreement and greedy outputs with an FP8 head (BENCHMARKS.md, quality); its
-# GPU cost is a top-k over the vocabulary, N rows of both planes gathered (Llama-3.1-8B: 128 KB a row at N = 16), a
-# batched dot and a scatter, against the 0.53 GB the FP8 head saves a step (session 30: fast 1.59x -> 1.66x full at
-# batch 1). 1. The head's tests on the GPU (engine, op, CUDA graph). 2. The decode table (roofline, fast/full at
+# GPU cost is a top-k over the vocabulary, one elastiserve::exact_rows launch (N rows of both planes merged and
+# dotted: Llama-3.1-8B 128 KB a row at N = 16) and a scatter, against the 0.53 GB the FP8 head saves a step (session
+# 39, H100, with the gather / merge / dot still a dozen torch ops: 3.4-4.9 % of the fast step over the FP8 head). 1. The head's tests on the GPU (engine, op, CUDA graph). 2. The decode table (roofline, fast/full at
 # batches 1-32) with --nest-lm-head, and with --nest-lm-head --lm-head-exact-top 16 and 64, side by side.
 source ci/gpu/bootstrap.sh
 set +e

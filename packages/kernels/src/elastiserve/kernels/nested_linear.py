@@ -7,8 +7,8 @@ each unnested layer stayed 16-bit.
 A nested output head may keep its largest fast-mode outputs exact (``NestedLinear.exact_top``): the ``top`` largest
 logits of each row are recomputed from the exact fp16 rows of the weight (both planes of just those rows), so greedy
 decoding and the probability mass near the top see the full-precision head while every other logit comes from the
-upper plane alone. ``exact_top_logits`` is that step, in plain torch ops (top-k, row gather, merge, a batched dot,
-scatter): a few small launches on a GPU, capturable in a CUDA graph.
+upper plane alone. ``exact_top_logits`` is that step: a top-k, one ``elastiserve::exact_rows`` launch (the picked
+rows of both planes merged and dotted in fp32) and a scatter, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastiserve.kernels import formats
+from elastiserve.kernels.exact_rows import exact_rows_op
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import Fp8Rows
 from elastiserve.kernels.nested_gemm import fast_mode_for, nested_linear_fp8_op, nested_linear_op
@@ -163,15 +164,12 @@ class NestedLinear(nn.Module):
 def exact_top_logits(x: torch.Tensor, approx: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
                      bias: torch.Tensor | None, nesting: Nesting, weight_exp: int, top: int) -> torch.Tensor:
     """``approx`` [R, N] (fast mode's ``x @ W.T + b`` for rows ``x`` [R, K]) with each row's ``top`` largest entries
-    replaced by the exact weight's: those weight rows merged from both planes (bit-exact fp16), an fp32 dot with the
-    row, rounded to ``approx``'s dtype as the full-mode GEMM rounds. Ties in ``approx`` pick any ``top``; an entry
-    outside them keeps its fast-mode value. Returns a new tensor."""
+    replaced by the exact weight's (``elastiserve::exact_rows``: those weight rows merged from both planes, an fp32
+    dot with the row, rounded as the full-mode GEMM rounds). Ties in ``approx`` pick any ``top``; an entry outside
+    them keeps its fast-mode value. Returns a new tensor."""
     top = min(int(top), approx.shape[-1])
     picked = approx.topk(top, dim=-1, sorted=False).indices  # [R, top]
-    weight = formats.merge(upper[picked], lower[picked], nesting, weight_exp)  # [R, top, K] fp16
-    exact = torch.matmul(weight.float(), x.float().unsqueeze(-1)).squeeze(-1)  # [R, top] fp32
-    if bias is not None:
-        exact = exact + bias[picked].float()  # the picked entries only, not the whole vocabulary's bias
+    exact = exact_rows_op(x, picked, upper, lower, bias, int(nesting), int(weight_exp))
     return approx.scatter(-1, picked, exact.to(approx.dtype))
 
 
