@@ -33,3 +33,11 @@ class ScriptedPolicy:
     def decide_recovery(self, obs):
         wanted, self.promote_next = self.promote_next, False
         return Decision(promote_pairs=obs.base_pairs_promotable) if wanted else NOOP
+
+
+def snapshot_pairs(engine, request_id):
+    """Clones of the KV blocks of each demotable pair of a request, by pair index (to compare after promotion)."""
+    seq = engine.scheduler.find(request_id)
+    kv = engine.runner.kv_cache
+    return {p: (kv[seq.block_table[2 * p]].clone(), kv[seq.block_table[2 * p + 1]].clone())
+            for p in engine.kv.demotable_pairs(seq)}  # fmt: skip
