@@ -4,8 +4,9 @@
 # (CPU) N = 16 keeps fast mode's top-1 agreement and greedy outputs with an FP8 head (BENCHMARKS.md, quality); its
 # GPU cost is a top-k over the vocabulary, one elastiserve::exact_rows launch (N rows of both planes merged and
 # dotted: Llama-3.1-8B 128 KB a row at N = 16) and a scatter, against the 0.53 GB the FP8 head saves a step (session
-# 39, H100, with the gather / merge / dot still a dozen torch ops: 3.4-4.9 % of the fast step over the FP8 head). 1. The head's tests on the GPU (engine, op, CUDA graph). 2. The decode table (roofline, fast/full at
-# batches 1-32) with --nest-lm-head, and with --nest-lm-head --lm-head-exact-top 16 and 64, side by side.
+# 39, H100, with the gather / merge / dot still a dozen torch ops: 3.4-4.9 % of the fast step over the FP8 head).
+# 1. The head's tests on the GPU (engine, op, CUDA graph). 2. The decode table (roofline, fast/full at batches 1-32)
+# with --nest-lm-head, and with --nest-lm-head --lm-head-exact-top 16 and 64, side by side.
 source ci/gpu/bootstrap.sh
 set +e
 start_round

@@ -34,7 +34,7 @@ QUANT_SHORT_K, QUANT_FEW_ROWS = 4096, 128
 # Why: one 4-warp program a row leaves 8 warps a SM at 256 rows, each walking its 14,336 values twice; on the H200 the
 # down GEMM at 256 rows ran 50.9 us in fast mode with its rows quantized in the op against 34.8 on rows quantized
 # beforehand (session 37, benchmarks/kernels/results/h200-nested-gemm-s37.json). Measured on an H100 (session 39,
-# ci/gpu/quant_split_round.sh, raw benchmarks/kernels/results/h100-quant-split-s39.*): the split quantizer is 1.06-1.54x
+# ci/gpu/quant_split_round.sh, raw benchmarks/kernels/results/h100-quant-split-s39-*): the split quantizer is 1.06-1.54x
 # the one-program route at 16-256 rows and 0.69-0.88x at 512-4,096 (K 12,288 and 14,336); through the op the down GEMM
 # in fast mode runs 1-13 % faster at 2-256 rows (Llama-3.1-8B at 256: 56.1 -> 50.2 us) and 4-6 % slower at 1,024 with
 # the split on there. Not yet timed on an H200 (same sm90 table).
