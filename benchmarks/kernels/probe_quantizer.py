@@ -7,7 +7,8 @@ route (``fp8_activations.QUANT_SPLIT_ROWS``) spreads a row over 1,024-wide progr
 SiLU-and-mul splits only up to 32 rows (``silu_mul.SPLIT_QUANT_MAX_ROWS``) and holds a whole row in one program
 up to 128.
 
-Routes per (op, rows, K): ``committed`` (the tables as they are), ``split`` (the split route at every row count).
+Routes per (op, rows, K): ``unsplit`` (one program a row at every row count: sm90's tables before session 39, which
+then split ``quantize_per_token`` at 2-256 rows), ``split`` (the split route at every row count).
 Every route must write the same bytes; a route that does not is reported and never the best. Each timing is one CUDA
 graph over enough input copies to pass 400 MB (so rows come from HBM, as a layer's activations after a GEMM do not
 always), replayed 20 times.
@@ -35,7 +36,7 @@ from elastiserve.platforms import current_platform
 ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KS = (12288, 14336)  # Qwen3-8B's and Llama-3.1-8B's down_proj inputs
 SILU_MAX_ROWS = 1024  # gate_up rows are twice as wide: 4,096 rows of 2 x 14,336 is 470 MB a copy
-ROUTES = ("committed", "split")
+ROUTES = ("unsplit", "split")
 
 
 @contextmanager
@@ -46,7 +47,10 @@ def route(name: str):
     if name == "split":
         fp8_activations.QUANT_SPLIT_ROWS[arch] = (1, 1 << 30)
         silu_mul.SPLIT_QUANT_MAX_ROWS[arch] = 1 << 30
-    elif name != "committed":
+    elif name == "unsplit":
+        fp8_activations.QUANT_SPLIT_ROWS[arch] = (1, 0)
+        silu_mul.SPLIT_QUANT_MAX_ROWS[arch] = 0
+    else:
         raise ValueError(f"unknown route {name!r}; choose from {ROUTES}")
     try:
         yield
@@ -79,9 +83,9 @@ def probe(op: str, rows: int, k: int) -> dict:
             want = want or got
             row["bytes_equal"][name] = _same(got, want)
             row["us"][name] = graph_time_us([lambda x=x: fn(x) for x in inputs])
-    row["split_over_committed"] = row["us"]["committed"] / row["us"]["split"]
-    print(f"{op:20s} rows {rows:5d}  K {k:5d}  committed {row['us']['committed']:7.2f} us  split "
-          f"{row['us']['split']:7.2f} us  ({row['split_over_committed']:.2f}x)  bytes equal: "
+    row["split_over_unsplit"] = row["us"]["unsplit"] / row["us"]["split"]
+    print(f"{op:20s} rows {rows:5d}  K {k:5d}  unsplit {row['us']['unsplit']:7.2f} us  split "
+          f"{row['us']['split']:7.2f} us  ({row['split_over_unsplit']:.2f}x)  bytes equal: "
           f"{all(row['bytes_equal'].values())}", flush=True)
     del inputs
     torch.cuda.empty_cache()

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host (~5 min), written in session 37 (not yet run): fast mode's activation quantizer
-# with rows longer than 4,096 values split over 1,024-wide programs (fp8_activations.QUANT_SPLIT_ROWS, taken by no
-# arch until this runs). On the H200 the down GEMM at 256 rows ran 50.9 us in fast mode quantizing in the op against
+# One device call on a one-GPU host (~5 min), written in session 37, first run in session 39 on an H100 (sm90 then
+# took the split at 2-256 rows): fast mode's activation quantizer with rows longer than 4,096 values split over
+# 1,024-wide programs (fp8_activations.QUANT_SPLIT_ROWS). On the H200 the down GEMM at 256 rows ran 50.9 us in fast mode quantizing in the op against
 # 34.8 us on rows quantized beforehand. First the quantizers' CUDA tests (every route bit-equal to the reference),
 # then probe_quantizer.py (quantize_per_token at 16-4,096 rows and the quantizing SiLU-and-mul at 16-1,024, K = 12,288
-# and 14,336, as committed and split, side by side), then the GEMM table on the two down shapes as committed and with
+# and 14,336, one program a row and split, side by side), then the GEMM table on the two down shapes as committed and with
 # --quant-split-rows over the row range where the probe's split won. Adopt a range where it wins at every K.
 source ci/gpu/bootstrap.sh
 set +e

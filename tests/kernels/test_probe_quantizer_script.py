@@ -31,8 +31,9 @@ def test_a_route_sets_both_tables_and_puts_them_back(probe):
         assert silu_mul.splits_quantizing_rows(128, 14336)
     with pytest.raises(RuntimeError), probe.route("split"):
         raise RuntimeError("boom")
-    with probe.route("committed"):
-        assert (dict(fp8_activations.QUANT_SPLIT_ROWS), dict(silu_mul.SPLIT_QUANT_MAX_ROWS)) == before
+    with probe.route("unsplit"):
+        assert not fp8_activations.splits_quantized_rows(64, 14336)
+        assert not silu_mul.splits_quantizing_rows(2, 14336)
     with pytest.raises(ValueError, match="unknown route"), probe.route("fastest"):
         pass
     assert (dict(fp8_activations.QUANT_SPLIT_ROWS), dict(silu_mul.SPLIT_QUANT_MAX_ROWS)) == before
