@@ -53,7 +53,7 @@ def test_nested_model_graph_replay(device, mode, batch):
 
 @pytest.mark.parametrize("batch", [1, 40])
 def test_exact_top_head_graph_replay(device, batch):
-    """A fast head that keeps its 8 largest logits a row exact (top-k, row gather, merge, dot, scatter) replays."""
+    """A fast head that keeps its 8 largest logits a row exact (top-k, elastiserve::exact_rows, scatter) replays."""
     torch.manual_seed(0)
     head = nn.Sequential(nn.Linear(512, 4000, bias=False)).to(device).half()
     nest_model(head, skip=())
