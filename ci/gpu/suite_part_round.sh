@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One device call on a one-GPU host: part of `nox -s test-cuda`, for when the whole suite no longer fits one call
 # (433 tests took 564 of the call's 600 s at 4a4eb33, session 21). PART=rest runs control, engine, memory and
-# platforms (180 tests, 3 min at 76369d0); PART=kernels all of tests/kernels, which no longer fits one call on a fresh
-# venv (301 tests: cut at 252 by 560 s in session 34), so PART=kernels-a (its files before test_nested_gemm.py) and
-# PART=kernels-b (test_nested_gemm.py and after) split it in two calls. Limit SUITE_LIMIT seconds (default 585).
+# platforms (180 tests, 3 min at 76369d0); PART=kernels all of tests/kernels, which serially no longer fit one call on a
+# fresh venv (301 tests: cut at 252 by 560 s in session 34), so it runs over xdist workers now; PART=kernels-a (its
+# files before test_nested_gemm.py) and PART=kernels-b (test_nested_gemm.py and after) run it serially in two calls.
+# Limit SUITE_LIMIT seconds (default 585).
 # PART=all runs the whole suite in one call, as plain `nox -s test-cuda` (tests/kernels over pytest-xdist workers,
-# then the rest serially: noxfile.py's GPU_KERNEL_WORKERS_MAX says why; 6.8 min on an H100 in session 39).
+# then the rest serially: noxfile.py's GPU_KERNEL_WORKERS_MAX says why; 6.8 min on an H100 in session 39, 9.2 min on
+# another H100 in session 40, near the call's limit). PART=kernels (over WORKERS xdist workers, default 6) and
+# PART=rest are the same two parts in two calls.
 source ci/gpu/bootstrap.sh
 set +e
 start_round
@@ -20,7 +23,7 @@ if [ "${PART:-}" = all ]; then  # the plain command: the noxfile runs the kernel
   exit 0
 fi
 case "${PART:?set PART=all, kernels, kernels-a, kernels-b or rest}" in
-  kernels) dirs="tests/kernels" ;;
+  kernels) dirs="tests/kernels -n ${WORKERS:-6} --dist loadfile" ;;  # as the plain command runs them (5.3 min, s40)
   kernels-a) dirs=$(kernel_files a) ;;
   kernels-b) dirs=$(kernel_files b) ;;
   rest) dirs="tests/control tests/engine tests/memory tests/platforms" ;;
