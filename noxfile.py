@@ -70,9 +70,11 @@ def _inherit_host_site_packages(session: nox.Session) -> None:
 
 # The GPU suite's kernel files run on this many pytest-xdist workers, whole files a worker: they are bound by Triton
 # compiles on the host's CPU (session 39, H100 with 16 cores: 317 kernel tests in 4.0 min on six workers; the whole
-# suite 6.8 min in one call against 12.5 min serially). The other files run serially after them: the engine sizes its
+# suite 6.8 min in one call against 12.5 min serially). The control plane's files (plain Python, ~1 min of the serial
+# part in session 40, the simulator's) run with them. The other files run serially after them: the engine sizes its
 # KV pool from the GPU's free memory, which workers beside it would change.
 GPU_KERNEL_WORKERS_MAX = 6
+GPU_PARALLEL_DIRS = ("tests/kernels", "tests/control")
 
 
 def _gpu_session(session: nox.Session, device: str, *extra: str, parallel_kernels: bool = True) -> None:
@@ -85,8 +87,8 @@ def _gpu_session(session: nox.Session, device: str, *extra: str, parallel_kernel
     if session.posargs or not parallel_kernels or workers < 2 or not _has_xdist(session):
         session.run("python", "-m", "pytest", *pytest_args, *session.posargs, env=env)
         return
-    parts = {"tests/kernels": ("tests/kernels", "-n", str(workers), "--dist", "loadfile"),
-             "the rest": ("tests", "--ignore=tests/kernels")}
+    parts = {" and ".join(GPU_PARALLEL_DIRS): (*GPU_PARALLEL_DIRS, "-n", str(workers), "--dist", "loadfile"),
+             "the rest": ("tests", *(f"--ignore={path}" for path in GPU_PARALLEL_DIRS))}
     failed = []
     for name, selection in parts.items():  # the rest runs even when a kernel test failed: one call sees both
         try:

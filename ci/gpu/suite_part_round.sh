@@ -5,10 +5,10 @@
 # fresh venv (301 tests: cut at 252 by 560 s in session 34), so it runs over xdist workers now; PART=kernels-a (its
 # files before test_nested_gemm.py) and PART=kernels-b (test_nested_gemm.py and after) run it serially in two calls.
 # Limit SUITE_LIMIT seconds (default 585).
-# PART=all runs the whole suite in one call, as plain `nox -s test-cuda` (tests/kernels over pytest-xdist workers,
-# then the rest serially: noxfile.py's GPU_KERNEL_WORKERS_MAX says why; 6.8 min on an H100 in session 39, 9.2 min on
-# another H100 in session 40, near the call's limit). PART=kernels (over WORKERS xdist workers, default 6) and
-# PART=rest are the same two parts in two calls.
+# PART=all runs the whole suite in one call, as plain `nox -s test-cuda` (tests/kernels and, since session 40,
+# tests/control over pytest-xdist workers, then the rest serially: noxfile.py's GPU_KERNEL_WORKERS_MAX says why; 6.8
+# min on an H100 in session 39, 9.2 min on another H100 in session 40 with tests/control serial, near the call's
+# limit). PART=kernels (over WORKERS xdist workers, default 6) and PART=rest are nearly the same two parts in two calls.
 source ci/gpu/bootstrap.sh
 set +e
 start_round
