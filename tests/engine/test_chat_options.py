@@ -15,8 +15,9 @@ from served_app import Served, post_raw
 
 from elastiserve.engine.chat_render import load_chat_template, open_final_message, render_chat
 from elastiserve.engine.loader import smollm2_dir, smollm2_gguf_path
-from elastiserve.engine.protocol import BadRequest, TemplateOptions, parse_chat
+from elastiserve.engine.protocol import TemplateOptions, parse_chat
 from elastiserve.engine.reasoning import FORMATS, ReasoningStream, reasoning_format, split_reasoning
+from elastiserve.engine.request_fields import BadRequest
 from elastiserve.engine.tokenizer import Tokenizer
 from elastiserve.platforms import ConfigError
 

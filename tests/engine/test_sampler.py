@@ -212,3 +212,20 @@ def test_persistent_penalty_counts_equal_the_reference_step_by_step(device):
         for rid, token in zip(ids, ours.argmax(dim=-1).tolist()):
             outputs[rid].append(token)
     assert sampler.penalty_counts.capacity == 16  # grown once past 8 slots
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"temperature": math.nan}, "temperature"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+])
+def test_parameters_a_step_cannot_hold_are_refused_before_admission(params, message):
+    """A NaN temperature, or a top_k / seed past int64 (which the step's tensors and generator hold), is the
+    request's error, not a failed step for every request in its batch."""
+    from elastiserve.engine.errors import InvalidRequest
+    from elastiserve.engine.sampling import SamplingParams
+
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingParams(**params).validate(vocab_size=100, max_model_len=64, prompt_len=4)
+    SamplingParams(top_k=2**63 - 1, seed=-(2**63)).validate(vocab_size=100, max_model_len=64, prompt_len=4)

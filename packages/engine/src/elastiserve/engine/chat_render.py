@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from elastiserve.engine.protocol import BadRequest, TemplateOptions
+from elastiserve.engine.protocol import TemplateOptions
+from elastiserve.engine.request_fields import BadRequest
 from elastiserve.platforms import ConfigError
 
 

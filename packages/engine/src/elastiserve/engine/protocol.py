@@ -13,22 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastiserve.platforms.errors import ElastiserveError
-
-
-class BadRequest(ElastiserveError, ValueError):
-    """A request the server refuses with HTTP 400 and an OpenAI-style error body."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+from elastiserve.engine.request_fields import BadRequest, check_type, finite, integer, number
 
 
 @dataclass(frozen=True)
@@ -47,13 +32,13 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "e
 
 
 def _parse_template_options(body: dict, messages: list[dict[str, Any]]) -> TemplateOptions:
-    kwargs = _check_type(body, "chat_template_kwargs", (dict,), "an object") or {}
+    kwargs = check_type(body, "chat_template_kwargs", (dict,), "an object") or {}
     taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
     if taken:
         raise BadRequest(f"'chat_template_kwargs' may not set {taken}: the server sets them (use the request's own "
                          "fields)", param="chat_template_kwargs")
-    generation = _check_type(body, "add_generation_prompt", (bool,), "a boolean")
-    continues = bool(_check_type(body, "continue_final_message", (bool,), "a boolean"))
+    generation = check_type(body, "add_generation_prompt", (bool,), "a boolean")
+    continues = bool(check_type(body, "continue_final_message", (bool,), "a boolean"))
     if continues and generation:
         raise BadRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true: the model either "
                          "continues the final message or starts a new one", param="continue_final_message")
@@ -93,28 +78,6 @@ class ParsedRequest:
         return int(self.sampling.get("max_tokens", 16))
 
 
-def _check_type(body: dict, name: str, types: tuple[type, ...], type_name: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    # bool is an int subclass: JSON true is never a number here.
-    if isinstance(value, bool) and bool not in types:
-        raise BadRequest(f"'{name}' must be {type_name}, got a boolean", param=name, code="invalid_type")
-    if not isinstance(value, types):
-        raise BadRequest(f"'{name}' must be {type_name}, got {type(value).__name__}", param=name, code="invalid_type")
-    return value
-
-
-def _number(body: dict, name: str) -> float | None:
-    value = _check_type(body, name, (int, float), "a number")
-    return None if value is None else float(value)
-
-
-def _integer(body: dict, name: str) -> int | None:
-    value = _check_type(body, name, (int,), "an integer")
-    return value
-
-
 def _parse_stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -132,24 +95,24 @@ def _parse_stop(body: dict) -> tuple[str, ...]:
 def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = _number(body, name)
+        value = number(body, name)
         if value is not None:
             sampling[name] = value
     for name in ("top_k", "seed", "min_tokens"):
-        value = _integer(body, name)
+        value = integer(body, name)
         if value is not None:
             sampling[name] = value
     for name in max_tokens_names:
-        value = _integer(body, name)
+        value = integer(body, name)
         if value is not None:
             if value < 0:
                 raise BadRequest(f"'{name}' must be at least 1, got {value}", param=name)
             sampling["max_tokens"] = value
             break
-    bias = _check_type(body, "logit_bias", (dict,), "an object")
+    bias = check_type(body, "logit_bias", (dict,), "an object")
     if bias:
         sampling["logit_bias"] = _parse_logit_bias(bias)
-    ignore_eos = _check_type(body, "ignore_eos", (bool,), "a boolean")
+    ignore_eos = check_type(body, "ignore_eos", (bool,), "a boolean")
     if ignore_eos is not None:
         sampling["ignore_eos"] = ignore_eos
     stop_ids = body.get("stop_token_ids")
@@ -174,7 +137,7 @@ def _parse_logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadRequest(f"'logit_bias' values must be numbers, got {value!r}", param="logit_bias",
                              code="invalid_type")
-        pairs.append((token, float(value)))
+        pairs.append((token, finite(value, "logit_bias", "'logit_bias' values")))
     return tuple(pairs)
 
 
@@ -185,11 +148,11 @@ def _parse_choices(body: dict, stream: bool, sampling: dict[str, Any]) -> tuple[
     """``n`` and ``best_of`` (default ``n``). Candidates beyond ``n`` are ranked once all have finished, so they
     cannot stream (OpenAI refuses the same), and greedy candidates are all the same text, so there is nothing to
     rank (vLLM refused greedy best_of too)."""
-    n = _integer(body, "n")
+    n = integer(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"'n' must be between 1 and {MAX_N}, got {n}", param="n")
-    best_of = _integer(body, "best_of")
+    best_of = integer(body, "best_of")
     best_of = n if best_of is None else best_of
     if not n <= best_of <= MAX_N:
         raise BadRequest(f"'best_of' must be between n ({n}) and {MAX_N}, got {best_of}", param="best_of")
@@ -203,8 +166,8 @@ def _parse_choices(body: dict, stream: bool, sampling: dict[str, Any]) -> tuple[
 
 
 def _stream_flags(body: dict) -> dict[str, bool]:
-    stream = bool(_check_type(body, "stream", (bool,), "a boolean"))
-    options = _check_type(body, "stream_options", (dict,), "an object") or {}
+    stream = bool(check_type(body, "stream", (bool,), "a boolean"))
+    options = check_type(body, "stream_options", (dict,), "an object") or {}
     flags = {"stream": stream}
     for name, field_name in (("include_usage", "include_usage"), ("continuous_usage_stats", "continuous_usage")):
         value = options.get(name, False)
@@ -217,14 +180,14 @@ def _stream_flags(body: dict) -> dict[str, bool]:
 
 def _extras(body: dict) -> dict[str, Any]:
     """vLLM's request extras: the output-text booleans and the scheduling priority, as ParsedRequest fields."""
-    include = _check_type(body, "include_stop_str_in_output", (bool,), "a boolean")
-    skip = _check_type(body, "skip_special_tokens", (bool,), "a boolean")
-    truncate = _integer(body, "truncate_prompt_tokens")
+    include = check_type(body, "include_stop_str_in_output", (bool,), "a boolean")
+    skip = check_type(body, "skip_special_tokens", (bool,), "a boolean")
+    truncate = integer(body, "truncate_prompt_tokens")
     if truncate is not None and truncate < 1 and truncate != -1:
         raise BadRequest(f"'truncate_prompt_tokens' must be at least 1 (or -1: the context's length), got {truncate}",
                          param="truncate_prompt_tokens")
     return {"include_stop_str": bool(include), "skip_special_tokens": skip is not False,
-            "priority": _integer(body, "priority") or 0, "truncate_prompt_tokens": truncate}
+            "priority": integer(body, "priority") or 0, "truncate_prompt_tokens": truncate}
 
 
 def _require_model(body: dict) -> str:
@@ -240,15 +203,15 @@ def parse_completion(body: Any) -> ParsedRequest:
     model = _require_model(body)
     prompts = _parse_prompts(body.get("prompt"))
     flags = _stream_flags(body)
-    echo = bool(_check_type(body, "echo", (bool,), "a boolean"))
-    if _check_type(body, "suffix", (str,), "a string"):  # refused, not dropped: the text after it would be wrong
+    echo = bool(check_type(body, "echo", (bool,), "a boolean"))
+    if check_type(body, "suffix", (str,), "a string"):  # refused, not dropped: the text after it would be wrong
         raise BadRequest("'suffix' (fill-in-the-middle) is not supported", param="suffix", code="unsupported")
     sampling = _parse_sampling(body, ("max_tokens",))
     n, best_of = _parse_choices(body, flags["stream"], sampling)
     if len(prompts) * best_of > MAX_CANDIDATES:
         raise BadRequest(f"{len(prompts)} prompts x best_of {best_of} is over {MAX_CANDIDATES} sequences a request",
                          param="prompt")
-    _set_logprobs(sampling, _integer(body, "logprobs"), "logprobs")
+    _set_logprobs(sampling, integer(body, "logprobs"), "logprobs")
     if echo and "logprobs" in sampling:  # OpenAI's echo with logprobs scores the prompt too
         sampling["prompt_logprobs"] = sampling["logprobs"]
     if sampling.get("max_tokens") == 0 and "prompt_logprobs" not in sampling:
@@ -309,6 +272,9 @@ def _parse_messages(body: dict) -> list[dict[str, Any]]:
             texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(texts) != len(content):
                 raise BadRequest(f"messages[{i}].content: only text parts are supported", param="messages")
+            if not all(isinstance(t, str) for t in texts):
+                raise BadRequest(f"messages[{i}].content: a text part's 'text' must be a string", param="messages",
+                                 code="invalid_type")
             content = "".join(texts)
         if content is None:
             content = ""
@@ -352,13 +318,13 @@ def parse_chat(body: Any) -> ParsedRequest:
     n, best_of = _parse_choices(body, flags["stream"], sampling)
     if sampling.get("max_tokens") == 0:
         raise BadRequest("'max_tokens' must be at least 1, got 0", param="max_tokens")
-    wants = _check_type(body, "logprobs", (bool,), "a boolean")
-    top = _integer(body, "top_logprobs")
+    wants = check_type(body, "logprobs", (bool,), "a boolean")
+    top = integer(body, "top_logprobs")
     if top is not None and not wants:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if wants:
         _set_logprobs(sampling, top or 0, "top_logprobs")
-    parallel = _check_type(body, "parallel_tool_calls", (bool,), "a boolean")
+    parallel = check_type(body, "parallel_tool_calls", (bool,), "a boolean")
     return ParsedRequest("chat", model, messages=messages, sampling=sampling, stop=_parse_stop(body), n=n,
                          best_of=best_of, parallel_tool_calls=parallel is not False,
                          template=_parse_template_options(body, messages), **flags, **_extras(body))

@@ -7,6 +7,8 @@ from typing import Any
 
 from elastiserve.engine.errors import InvalidRequest
 
+INT64_END = 2**63  # seed and top_k are int64 on the device
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -50,10 +52,12 @@ class SamplingParams:
 
     def validate(self, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
         """Raise InvalidRequest with a message a client can act on; return None when servable."""
-        if self.temperature < 0.0:
+        if not self.temperature >= 0.0:  # NaN too
             raise InvalidRequest(f"temperature={self.temperature} must be >= 0")
-        if self.top_k == 0 or self.top_k < -1:
-            raise InvalidRequest(f"top_k={self.top_k} must be -1 (disabled) or >= 1")
+        if self.top_k == 0 or not -1 <= self.top_k < INT64_END:  # past int64 a step's top-k tensor fails, batch-wide
+            raise InvalidRequest(f"top_k={self.top_k} must be -1 (disabled) or between 1 and 2^63 - 1")
+        if self.seed is not None and not -INT64_END <= self.seed < INT64_END:  # so does the step's generator
+            raise InvalidRequest(f"seed={self.seed} must be a 64-bit signed integer")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p={self.top_p} must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:

@@ -23,8 +23,9 @@ from aiohttp import web
 
 from elastiserve.engine import protocol, responses, structured
 from elastiserve.engine.async_engine import AsyncEngine, EngineStepFailed
-from elastiserve.engine.protocol import BadRequest, eos_token_ids, error_body
+from elastiserve.engine.protocol import eos_token_ids
 from elastiserve.engine.reasoning import reasoning_format
+from elastiserve.engine.request_fields import BadRequest, error_body
 from elastiserve.engine.server_generation import (
     STATE_KEY,
     ServerState,
@@ -64,7 +65,17 @@ async def errors_and_auth(request: web.Request, handler: Callable) -> web.Stream
         return await handler(request)
     except BadRequest as exc:
         return json_error(400, exc.message, param=exc.param, code=exc.code)
-    except (web.HTTPException, ConnectionError):  # ConnectionError: the client left mid-stream; nothing to answer
+    except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413 get an OpenAI error body too
+        if exc.status < 400:
+            raise
+        message, code = exc.text or exc.reason, None
+        if exc.status == 404:
+            message, code = f"unknown request URL: {request.method} {request.path}", "unknown_url"
+        elif exc.status == 405:
+            message, code = f"method {request.method} is not allowed on {request.path}", "method_not_allowed"
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return web.json_response(error_body(message, code=code), status=exc.status, headers=headers)
+    except ConnectionError:  # the client left mid-stream; nothing to answer
         raise
     except EngineStepFailed as exc:
         state.metrics.count("requests_failed_total")
@@ -76,10 +87,24 @@ async def errors_and_auth(request: web.Request, handler: Callable) -> web.Stream
 
 
 async def read_json(request: web.Request) -> Any:
-    try:
-        return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    raw = await request.read()
+    try:  # ValueError: also an integer past Python's digit limit; RecursionError: nesting too deep
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from exc
+    if not _encodes(body):  # a lone surrogate escape ("\\ud800") decodes to a str that no tokenizer can encode
+        field = next((k for k, v in body.items() if not _encodes({k: v})), None) if isinstance(body, dict) else None
+        raise BadRequest(f"{repr(field) if field else 'the JSON body'} holds a lone UTF-16 surrogate escape (\\ud800 "
+                         "to \\udfff), which is not valid Unicode", param=field, code="invalid_unicode")
+    return body
+
+
+def _encodes(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

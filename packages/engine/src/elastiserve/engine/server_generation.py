@@ -26,8 +26,9 @@ from elastiserve.engine import responses, tool_calls
 from elastiserve.engine.async_engine import AsyncEngine
 from elastiserve.engine.chat_render import render_chat
 from elastiserve.engine.metrics_prom import ServerMetrics
-from elastiserve.engine.protocol import BadRequest, ParsedRequest
+from elastiserve.engine.protocol import ParsedRequest
 from elastiserve.engine.reasoning import ReasoningFormat, attach_reasoning
+from elastiserve.engine.request_fields import BadRequest
 from elastiserve.engine.request_run import RequestRun, prompt_text
 from elastiserve.engine.server_stream import stream_response
 

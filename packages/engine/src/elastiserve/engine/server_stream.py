@@ -14,7 +14,7 @@ from aiohttp import web
 
 from elastiserve.engine import responses, tool_calls
 from elastiserve.engine.async_engine import EngineStepFailed
-from elastiserve.engine.protocol import error_body
+from elastiserve.engine.request_fields import error_body
 from elastiserve.engine.request_run import RequestRun, prompt_text
 
 

@@ -31,7 +31,8 @@ from elastiserve.engine.guided.grammar import (
     regex_grammar,
 )
 from elastiserve.engine.guided.schema import SchemaError
-from elastiserve.engine.protocol import BadRequest, ParsedRequest
+from elastiserve.engine.protocol import ParsedRequest
+from elastiserve.engine.request_fields import BadRequest
 
 UNSUPPORTED_GUIDES = ("guided_grammar",)
 GUIDES = ("response_format", "guided_json", "guided_choice", "guided_regex")
@@ -43,13 +44,15 @@ def _compile(param: str, make: Any, value: Any) -> Grammar:
         return make(value)
     except SchemaError as exc:
         raise BadRequest(f"'{param}': {exc}", param=param, code="invalid_schema") from exc
+    except RecursionError as exc:  # the compiler recurses once a nesting level
+        raise BadRequest(f"'{param}': the schema is nested too deeply", param=param, code="invalid_schema") from exc
 
 
 def _schema_value(value: Any, param: str) -> Any:
     if isinstance(value, str):  # guided_json may be the schema's JSON text
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: also an integer past the digit limit
             raise BadRequest(f"'{param}' is not valid JSON: {exc}", param=param, code="invalid_type") from exc
     if not isinstance(value, dict):
         raise BadRequest(f"'{param}' must be a JSON schema object", param=param, code="invalid_type")
@@ -181,7 +184,7 @@ def parse_tools(body: dict, parallel: bool = True) -> ToolSpec | None:
         raise BadRequest("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": "
                          "{\"name\": ...}}", param="tool_choice", code="invalid_type")
     name = function.get("name")
-    if name not in {t["function"]["name"] for t in checked}:
+    if not isinstance(name, str) or name not in {t["function"]["name"] for t in checked}:
         raise BadRequest(f"'tool_choice' names the function {name!r}, which is not in 'tools'", param="tool_choice")
     return ToolSpec(checked, "named", name, parallel)
 

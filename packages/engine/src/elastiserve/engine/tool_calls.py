@@ -35,7 +35,7 @@ def _arguments_object(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or too deep, or past the digit limit): kept as text
             return arguments
     return arguments
 

@@ -214,6 +214,8 @@ class SchemaCompiler:
             raise SchemaError(f"{where}.enum must be a non-empty list", "enum")
         types = schema.get("type")
         if types is not None:
+            if not isinstance(types, (str, list)) or not all(isinstance(t, str) for t in types):
+                raise SchemaError(f"{where}.type must be one of {', '.join(JSON_TYPES)} (or a list of them)", "type")
             allowed = {types} if isinstance(types, str) else set(types)
             if "number" in allowed:
                 allowed.add("integer")
