@@ -179,8 +179,9 @@ class LLMEngine:
         """``prefix_leader``: a request already added with the same prompt (the first of ``n`` choices). With prefix
         caching this one is admitted once the leader's prefill is done, and its prompt's complete pairs come from
         the cache instead of being computed again; without prefix caching, when it scores its prompt (which
-        computes every row), or when no such request is queued or running, it is ignored. ``priority``: lower is
-        served first, under ``scheduling_policy="priority"`` only."""
+        computes every row), when no such request is queued or running, or when this one is served before it
+        (a higher priority), it is ignored. ``priority``: lower is served first, under
+        ``scheduling_policy="priority"`` only."""
         if request_id in self._seq_index:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if priority != 0 and not self.scheduler.by_priority:
@@ -203,8 +204,12 @@ class LLMEngine:
             seq.guide = Guide(params.guide, self._guide_masks())
         if params.prompt_logprobs is not None:  # nothing predicts the first token
             seq.prompt_logprobs = [TokenLogprob(seq.token_ids[0], None)]
-        elif self.kv.prefix_cache is not None and prefix_leader is not None and self.scheduler.find(prefix_leader):
-            seq.prefix_leader = prefix_leader
+        elif self.kv.prefix_cache is not None and prefix_leader is not None:
+            leader = self.scheduler.find(prefix_leader)
+            # Only a leader served no later than this request: one of a lower priority would be queued behind it,
+            # and it (and the queue behind it) would wait for that leader forever (Scheduler.held_for_leader).
+            if leader is not None and (not self.scheduler.by_priority or leader.priority_key <= seq.priority_key):
+                seq.prefix_leader = prefix_leader
         self._seq_index[request_id] = next(self._seq_ids)
         self.scheduler.add(seq)
 

@@ -214,8 +214,9 @@ class Scheduler:
     def held_for_leader(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits for its prefix leader (``Sequence.prefix_leader``): while the leader is queued or
         still in prefill. It then holds the queue behind it too (FCFS), for at most the leader's prefill. The leader
-        stays ahead of it: it was queued first (``LLMEngine.add_request`` takes only a leader it already has), and
-        only admitted requests, whose leader is cleared, go back to the queue's head."""
+        stays ahead of it: it was queued first (``LLMEngine.add_request`` takes only a leader it already has, and under
+        priority scheduling only one served no later), and only admitted requests, whose leader is cleared, go back
+        to the queue's head."""
         leader = None if seq.prefix_leader is None else self.find(seq.prefix_leader)
         return leader is not None and (leader.status is SequenceStatus.WAITING or leader.in_prefill)
 
