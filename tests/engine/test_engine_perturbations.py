@@ -4,17 +4,17 @@ twins wait for their leader, prefix caching is on or off, and with elastickv ran
 
 Checked after every step: the pool's allocated blocks are exactly those live sequences hold (one sequence each, or
 several through a shared cached pair) and those promotions in flight reserve; retained cache blocks count as free.
-Checked at the end: every request not aborted
-finished with exactly its ``max_tokens`` valid tokens, an abort succeeds only before the finish, nothing is output
-after either; the pool, the host slots and the transfers are all back (the prefix cache keeps only unused pairs);
-every promoted pair is bit-exact with its bytes before demotion. Greedy tokens equal the request's run alone, up to
-the first transition that changes numerics: the CPU engine is not bitwise batch-invariant (chunked prefill changes
-the attention's reductions; an fp16 ulp or two in the logits), so each token's logprob must be close to the lone
-run's, and a token may differ only where the lone run's top two were a near tie (the rest is then another context).
-dps is costly on the CPU (the nested GEMMs run interpreted), so it gets one scripted run: preemptions before a
-full -> fast -> full switch, KV spilling into the evicted residual units, and a bit-exact restore of the weights.
-Scenarios mix FCFS and priority scheduling; the hang they found there (a choice served before its prefix leader was
-held for it) is pinned by ``test_a_choice_served_before_its_leader_is_not_held_for_it``."""
+Checked at the end: every request not aborted finished with exactly its ``max_tokens`` valid tokens, an abort
+succeeds only before the finish, nothing is output after either; the pool, the host slots and the transfers are all
+back (the prefix cache keeps only unused pairs); every promoted pair is bit-exact with its bytes before demotion.
+Greedy tokens equal the request's run alone, up to the first transition that changes numerics: the CPU engine is not
+bitwise batch-invariant (chunked prefill changes the attention's reductions; an fp16 ulp or two in the logits), so
+each token's logprob must be close to the lone run's, and a token may differ only where the lone run's top two were
+a near tie (the rest is then another context). dps is costly on the CPU (the nested GEMMs run interpreted), so it
+gets one scripted run: preemptions before a full -> fast -> full switch, KV spilling into the evicted residual
+units, and a bit-exact restore of the weights. Scenarios mix FCFS and priority scheduling; the hang they found there
+(a choice served before its prefix leader was held for it) is pinned by
+``test_a_choice_served_before_its_leader_is_not_held_for_it``."""
 
 from __future__ import annotations
 
