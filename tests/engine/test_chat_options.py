@@ -138,6 +138,17 @@ def test_chat_template_override_and_its_variables(smollm2, tmp_path):
     assert smollm2[0].chat_template != tokenizer.chat_template  # one tokenizer's override, not the model's
 
 
+
+def test_a_template_variable_too_deep_to_render_is_a_bad_request():
+    tokenizer = Tokenizer.from_dir(smollm2_dir())
+    tokenizer.set_chat_template("{{ messages[0].content }}{{ deep | tojson }}")
+    deep = []
+    for _ in range(5000):  # built in a loop: deeper than any recursive renderer goes
+        deep = [deep]
+    with pytest.raises(BadRequest, match="nested too deep"):
+        render_chat(tokenizer, USER, TemplateOptions({"deep": deep}))
+    assert render_chat(tokenizer, USER, TemplateOptions({"deep": [[1]]})) == "Hi[[1]]"
+
 # ---- over HTTP --------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -240,6 +240,13 @@ def test_unknown_routes_and_methods_get_an_error_body(served, method, path):
 
 
 C, H = "/v1/completions", "/v1/chat/completions"
+
+
+def nested_in_base(path: str, field: str, depth: int) -> bytes:  # as bytes: json.dumps here would recurse too deep
+    marked = json.dumps(BASES[path][0] | {field: {"x": "@"}}).encode()
+    return marked.replace(b'"@"', b"[" * depth + b"]" * depth)
+
+
 REGRESSIONS = [  # (path, fields set in the path's first base or raw bytes (None: a GET), status, param): the bugs
     # found, shrunk; each was a 500 unless noted
     (C, {"prompt": "\ud800"}, 400, "prompt"),  # UnicodeEncodeError in the tokenizer
@@ -257,6 +264,7 @@ REGRESSIONS = [  # (path, fields set in the path's first base or raw bytes (None
     (H, {"guided_json": "9" * 5000}, 400, "guided_json"),
     (H, {"guided_json": "[" * 3000}, 400, "guided_json"),
     (H, {"guided_json": deep_schema(700)}, 400, "guided_json"),  # RecursionError in the schema compiler
+    (H, nested_in_base(H, "chat_template_kwargs", 980), 400, None),  # RecursionError in the template
     ("/tokenize", json.dumps({"messages": [{"role": "assistant", "tool_calls": [{"function": {
         "name": "f", "arguments": "9" * 5000}}]}]}).encode(), 200, None),  # the arguments are kept as text
     ("/v1/nope", b"{}", 404, None),  # was aiohttp's text/plain "404: Not Found"

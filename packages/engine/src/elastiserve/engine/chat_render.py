@@ -24,6 +24,9 @@ def render_chat(tokenizer: Any, messages: list[dict], options: TemplateOptions,
         raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
     except TypeError as exc:  # a template variable the renderer takes as a keyword of its own
         raise BadRequest(f"cannot apply the chat template: {exc}", param="chat_template_kwargs") from exc
+    except RecursionError as exc:  # a value nested past the interpreter's limit (json.loads takes ~1,000 levels)
+        raise BadRequest("cannot apply the chat template: a value in the request is nested too deep to render",
+                         param=None) from exc
     if options.continue_final_message:
         return open_final_message(rendered, messages[-1]["content"])
     return rendered

@@ -92,7 +92,11 @@ async def read_json(request: web.Request) -> Any:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from exc
-    if not _encodes(body):  # a lone surrogate escape ("\\ud800") decodes to a str that no tokenizer can encode
+    try:  # what json.loads took can still be too deep for json.dumps, which runs a few frames deeper
+        encodes = _encodes(body)
+    except RecursionError as exc:
+        raise BadRequest("the JSON body is nested too deep") from exc
+    if not encodes:  # a lone surrogate escape ("\\ud800") decodes to a str that no tokenizer can encode
         field = next((k for k, v in body.items() if not _encodes({k: v})), None) if isinstance(body, dict) else None
         raise BadRequest(f"{repr(field) if field else 'the JSON body'} holds a lone UTF-16 surrogate escape (\\ud800 "
                          "to \\udfff), which is not valid Unicode", param=field, code="invalid_unicode")
