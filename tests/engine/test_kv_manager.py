@@ -8,10 +8,12 @@ import random
 
 import pytest
 
+from elastiserve.control.events import EventLog
 from elastiserve.engine.errors import EngineError
 from elastiserve.engine.kv_manager import FlatBlockPool, KVManager, SumBlockPool
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.sequence import PairState, Sequence, SequenceMetrics
+from elastiserve.engine.transitions import Transitions
 from elastiserve.memory.sum_state import SumState
 
 pytestmark = [pytest.mark.cpu]
@@ -116,6 +118,38 @@ def test_abort_mid_promotion_frees_everything():
     kv.free_sequence(seq)
     assert kv.pool.num_free() == kv.pool.num_blocks and kv.num_free_slots == 4
     assert kv.promotions_in_flight() == []
+
+
+def test_a_stale_promotion_equal_to_a_new_one_is_not_published_for_it():
+    """A promotion abandoned with its preempted sequence can finish its copy after the recomputed sequence promoted
+    the same pair onto the same blocks from the same slot: the two ops are equal field for field. Publishing the
+    stale one (value matching did) would show the new blocks before their own unpack ran, and then fail the
+    engine's step, since ``finish_promote`` checks identity."""
+    kv = KVManager(FlatBlockPool(3), BS, num_host_slots=1, sink_pairs=0, recent_pairs=0)  # one pair, one slot
+
+    def promoting(seq):
+        kv.release_demoted([kv.demote(filled(kv, seq), 0)])
+        return kv.begin_promote(seq, 0)
+
+    first = make_seq("a", 2 * BS)
+    stale = promoting(first)
+    kv.free_sequence(first)  # preempted by recompute, its promotion's copy still running
+    seq = make_seq("a", 2 * BS)
+    fresh = promoting(seq)
+    assert fresh == stale and fresh is not stale, "the scenario needs two equal ops"
+    assert kv.is_promoting(fresh) and not kv.is_promoting(stale)
+
+    class Runner:  # the stale copy completes first (one stream, in order); the fresh one is still running
+        def poll_promotions(self):
+            return [stale]
+
+    class Scheduler:
+        def find(self, request_id):
+            return seq
+
+    Transitions(None, kv, Scheduler(), Runner(), EventLog(), None, None, {}, 0).publish_promotions(step=1)
+    assert seq.pair_states[0] is PairState.PROMOTING and kv.promotions_in_flight() == [fresh]
+    assert_no_block_lost(kv, [seq])
 
 
 def test_pair_modes_choose_the_attention_path_and_exposure():

@@ -324,6 +324,11 @@ class KVManager:
     def promotions_in_flight(self) -> list[PromoteOp]:
         return list(self._promotions.values())
 
+    def is_promoting(self, op: PromoteOp) -> bool:
+        """Whether ``op`` itself is in flight: by identity, since a promotion abandoned with its sequence (preempted,
+        its copy still running) can equal, field for field, the one its recomputed sequence starts later."""
+        return self._promotions.get((op.request_id, op.pair)) is op
+
     # ---- attention metadata and exposure ---------------------------------------------------------------------
     @staticmethod
     def pair_modes(seq: Sequence) -> list[int]:

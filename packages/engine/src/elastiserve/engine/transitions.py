@@ -99,7 +99,7 @@ class Transitions:
         done = 0
         for op in self.runner.poll_promotions():
             seq = self.scheduler.find(op.request_id)
-            if seq is not None and op in self.kv.promotions_in_flight():
+            if seq is not None and self.kv.is_promoting(op):  # not one abandoned with a preempted sequence
                 self.kv.finish_promote(seq, op)
                 done += 1
         if done:
