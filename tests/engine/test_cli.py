@@ -278,3 +278,61 @@ def test_generate_on_smollm2(tmp_path):
     assert len(row["token_ids"]) == 4 and "Paris" in row["text"] and "logprobs" not in row
     assert [entry[0] for entry in scored["logprobs"]] == scored["token_ids"]  # a line's own sampling fields apply
     assert all(entry[1] <= 0 and len(entry[2]) == 2 for entry in scored["logprobs"])
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"prompt": "a"}', '{"prompt": "b",}'], "line 2: not JSON"),
+        (['["a"]'], "line 1: expected a JSON object, got list"),
+        (['{"text": "a"}'], "line 1: expected exactly one of 'prompt', 'messages' or 'prompt_token_ids'"),
+        (['{"prompt": "a", "prompt_token_ids": [1]}'], "(it has prompt, prompt_token_ids)"),
+        (['{"prompt": [1, 2]}'], "'prompt' must be a string, got list"),
+        (['{"prompt_token_ids": [1, "2"]}'], "'prompt_token_ids' must be a list of integers"),
+        (['{"messages": [{"content": "hi"}]}'], "messages[0] must be an object with a string 'role'"),
+        (['{"prompt": "a"}', "", '{"prompt": "a", "max_tokens": "5"}'], "line 3: 'max_tokens' must be an integer"),
+        (['{"prompt": "a", "temperature": -1}'], "temperature=-1.0 must be >= 0"),
+        (['{"prompt": "a", "temperature": NaN}'], "'temperature' must be a finite number"),
+        (['{"prompt": "a", "logprobs": 21}'], "'logprobs' must be between 0 and 20"),
+        (['{"prompt": "a", "stop": [""]}'], "'stop' must be a non-empty string"),
+        (['{"prompt": "a", "logit_bias": {"x": 1}}'], "'logit_bias' keys must be token ids"),
+        ([], "holds no request"),
+    ],
+)
+def test_generate_checks_the_whole_file_before_the_model_loads(tmp_path, monkeypatch, capsys, lines, message):
+    """A bad line is exit status 2 and one message naming the file and line, before any model is built (the server's
+    field readers: the same words as its 400s)."""
+    built = []
+    monkeypatch.setattr(cli, "make_engine", lambda *a: built.append(a) or FakeEngine())
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["generate", "fake", "--input", str(prompts), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(prompts) in err and not built and not out.exists(), err
+
+
+def test_generate_refuses_bad_flags_and_a_missing_file_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    built = []
+    monkeypatch.setattr(cli, "make_engine", lambda *a: built.append(a) or FakeEngine())
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    out = str(tmp_path / "o.jsonl")
+    assert cli.main(["generate", "fake", "--input", str(prompts), "--output", out, "--top-k", "0"]) == 2
+    assert "the sampling flags: top_k=0" in capsys.readouterr().err
+    assert cli.main(["generate", "fake", "--input", str(tmp_path / "missing.jsonl"), "--output", out]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err and not built
+
+
+def test_a_line_the_model_refuses_stops_generate_before_any_step_and_frees_the_engine(tmp_path, monkeypatch, capsys):
+    """The checks that need the model (here the fake's 512-token context) run as requests are added: none of them
+    runs, the engine is closed, no output is written."""
+    engine = FakeEngine()
+    monkeypatch.setattr(cli, "make_engine", lambda *a: engine)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt_token_ids": [1] * 500}) + "\n")
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["generate", "fake", "--input", str(prompts), "--output", str(out), "--max-tokens", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "line 2: prompt (500 tokens) + max_tokens (20) exceeds max_model_len 512" in err, err
+    assert engine.closed and engine.num_steps == 0 and not out.exists()

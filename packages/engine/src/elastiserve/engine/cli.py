@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="offline batch generation from a JSONL file")
     add_engine_args(gen)
-    gen.add_argument("--input", type=Path, required=True, help='JSONL: {"prompt": ...} or {"messages": [...]}')
+    gen.add_argument("--input", type=Path, required=True,
+                     help='JSONL, one request a line: {"prompt": ...}, {"messages": [...]} or '
+                          '{"prompt_token_ids": [...]}, with any sampling field')
     gen.add_argument("--output", type=Path, required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -215,40 +217,45 @@ def serving_defaults(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     return defaults
 
 
-def _line_prompt(engine: Any, record: dict[str, Any], lineno: int) -> list[int]:
-    if "prompt_token_ids" in record:
-        return list(record["prompt_token_ids"])
-    if "messages" in record:
-        return list(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(record["messages"])))
-    if isinstance(record.get("prompt"), str):
-        return list(engine.tokenizer.encode(record["prompt"]))
-    raise ConfigError(f"line {lineno}: expected 'prompt', 'messages' or 'prompt_token_ids'")
-
-
-# SamplingParams fields a line may set (logit_bias: {"token id": bias})
-GENERATE_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "logit_bias", "logprobs")
+def _prompt_ids(engine: Any, line: Any) -> list[int]:
+    """A line's prompt as token ids (text and chats through the model's tokenizer and chat template)."""
+    if isinstance(line.prompt, list) and not line.is_chat:
+        return list(line.prompt)
+    if engine.tokenizer is None:
+        raise ConfigError("the model has no tokenizer: give 'prompt_token_ids'")
+    text = engine.tokenizer.apply_chat_template(line.prompt) if line.is_chat else line.prompt
+    return list(engine.tokenizer.encode(text))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from elastiserve.engine.generate_input import read_generate_input
 
-    from elastiserve.engine.sampling import SamplingParams
-
-    engine = make_engine(args.model, args.policy, engine_settings(args))
-    use_chat_template(engine, args.chat_template)
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "top_k": args.top_k}
-    records = [json.loads(line) for line in args.input.read_text().splitlines() if line.strip()]
-    outputs: dict[str, list[int]] = {}
+    lines = read_generate_input(args.input, defaults)  # the whole file is checked before the model loads
+    engine = make_engine(args.model, args.policy, engine_settings(args))
+    use_chat_template(engine, args.chat_template)
+    try:
+        return _generate(engine, lines, args)
+    finally:
+        engine.close()  # VMM units and, with tensor parallelism, the worker processes
+
+
+def _generate(engine: Any, lines: list, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from elastiserve.engine.errors import InvalidRequest
+    from elastiserve.engine.request_fields import BadRequest
+
+    for i, line in enumerate(lines):  # nothing runs before every request is in: a refusal costs no generation
+        try:
+            engine.add_request(str(i), _prompt_ids(engine, line), line.params)
+        except (InvalidRequest, BadRequest, ConfigError) as exc:  # too long for the model, a template error...
+            raise ConfigError(f"{args.input} line {line.lineno}: {exc}") from None
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(lines))}
     reasons: dict[str, str | None] = {}
     logprobs: dict[str, list[list]] = {}
-    for i, record in enumerate(records):
-        fields = {k: record[k] for k in GENERATE_FIELDS if k in record}
-        engine.add_request(str(i), _line_prompt(engine, record, i + 1), SamplingParams(**{**defaults, **fields}))
-        outputs[str(i)] = []
-    with tqdm(total=len(records), desc="generate") as bar:
+    with tqdm(total=len(lines), desc="generate") as bar:
         while engine.has_unfinished():
             for out in engine.step():
                 outputs[out.request_id].extend(out.new_token_ids)
@@ -260,14 +267,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     bar.update(1)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as f:
-        for i, record in enumerate(records):
+        for i, line in enumerate(lines):
             ids = outputs[str(i)]
             text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else None
-            line = {"index": i, "input": record, "text": text, "token_ids": ids, "finish_reason": reasons.get(str(i))}
+            row = {"index": i, "input": line.record, "text": text, "token_ids": ids,
+                   "finish_reason": reasons.get(str(i))}
             if str(i) in logprobs:
-                line["logprobs"] = logprobs[str(i)]
-            f.write(json.dumps(line) + "\n")
-    print(f"wrote {len(records)} completions to {args.output}")
+                row["logprobs"] = logprobs[str(i)]
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(lines)} completions to {args.output}")
     return 0
 
 

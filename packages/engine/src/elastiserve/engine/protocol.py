@@ -78,7 +78,7 @@ class ParsedRequest:
         return int(self.sampling.get("max_tokens", 16))
 
 
-def _parse_stop(body: dict) -> tuple[str, ...]:
+def parse_stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
@@ -92,7 +92,7 @@ def _parse_stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
+def parse_sampling(body: dict, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = number(body, name)
@@ -206,17 +206,17 @@ def parse_completion(body: Any) -> ParsedRequest:
     echo = bool(check_type(body, "echo", (bool,), "a boolean"))
     if check_type(body, "suffix", (str,), "a string"):  # refused, not dropped: the text after it would be wrong
         raise BadRequest("'suffix' (fill-in-the-middle) is not supported", param="suffix", code="unsupported")
-    sampling = _parse_sampling(body, ("max_tokens",))
+    sampling = parse_sampling(body, ("max_tokens",))
     n, best_of = _parse_choices(body, flags["stream"], sampling)
     if len(prompts) * best_of > MAX_CANDIDATES:
         raise BadRequest(f"{len(prompts)} prompts x best_of {best_of} is over {MAX_CANDIDATES} sequences a request",
                          param="prompt")
-    _set_logprobs(sampling, integer(body, "logprobs"), "logprobs")
+    set_logprobs(sampling, integer(body, "logprobs"), "logprobs")
     if echo and "logprobs" in sampling:  # OpenAI's echo with logprobs scores the prompt too
         sampling["prompt_logprobs"] = sampling["logprobs"]
     if sampling.get("max_tokens") == 0 and "prompt_logprobs" not in sampling:
         raise BadRequest("'max_tokens' 0 only scores the prompt: it needs 'echo' with 'logprobs'", param="max_tokens")
-    return ParsedRequest("completion", model, prompts=prompts, echo=echo, sampling=sampling, stop=_parse_stop(body),
+    return ParsedRequest("completion", model, prompts=prompts, echo=echo, sampling=sampling, stop=parse_stop(body),
                          n=n, best_of=best_of, **flags, **_extras(body))
 
 
@@ -249,7 +249,7 @@ def _parse_prompts(prompt: Any) -> list[str | list[int]]:
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI's completions allow 5, its chat 20)
 
 
-def _set_logprobs(sampling: dict[str, Any], count: int | None, param: str) -> None:
+def set_logprobs(sampling: dict[str, Any], count: int | None, param: str) -> None:
     if count is None:
         return
     if not 0 <= count <= MAX_LOGPROBS:
@@ -257,7 +257,7 @@ def _set_logprobs(sampling: dict[str, Any], count: int | None, param: str) -> No
     sampling["logprobs"] = count
 
 
-def _parse_messages(body: dict) -> list[dict[str, Any]]:
+def parse_messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' is required and must be a non-empty list", param="messages",
@@ -312,9 +312,9 @@ def parse_chat(body: Any) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = _require_model(body)
-    messages = _parse_messages(body)
+    messages = parse_messages(body)
     flags = _stream_flags(body)
-    sampling = _parse_sampling(body, ("max_completion_tokens", "max_tokens"))
+    sampling = parse_sampling(body, ("max_completion_tokens", "max_tokens"))
     n, best_of = _parse_choices(body, flags["stream"], sampling)
     if sampling.get("max_tokens") == 0:
         raise BadRequest("'max_tokens' must be at least 1, got 0", param="max_tokens")
@@ -323,9 +323,9 @@ def parse_chat(body: Any) -> ParsedRequest:
     if top is not None and not wants:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if wants:
-        _set_logprobs(sampling, top or 0, "top_logprobs")
+        set_logprobs(sampling, top or 0, "top_logprobs")
     parallel = check_type(body, "parallel_tool_calls", (bool,), "a boolean")
-    return ParsedRequest("chat", model, messages=messages, sampling=sampling, stop=_parse_stop(body), n=n,
+    return ParsedRequest("chat", model, messages=messages, sampling=sampling, stop=parse_stop(body), n=n,
                          best_of=best_of, parallel_tool_calls=parallel is not False,
                          template=_parse_template_options(body, messages), **flags, **_extras(body))
 
@@ -344,7 +344,7 @@ def parse_tokenize(body: Any) -> ParsedRequest:
     """vLLM's ``/tokenize``: a completions ``prompt`` (one string) or chat ``messages``; ``model`` optional."""
     model = _optional_model(body)
     if "messages" in body:
-        messages = _parse_messages(body)
+        messages = parse_messages(body)
         return ParsedRequest("chat", model, messages=messages, template=_parse_template_options(body, messages))
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
