@@ -296,6 +296,7 @@ def test_generate_on_smollm2(tmp_path):
         (['{"prompt": "a", "logprobs": 21}'], "'logprobs' must be between 0 and 20"),
         (['{"prompt": "a", "stop": [""]}'], "'stop' must be a non-empty string"),
         (['{"prompt": "a", "logit_bias": {"x": 1}}'], "'logit_bias' keys must be token ids"),
+        (['{"prompt": "a", "n": 2}'], "'n' must be 1 here (one completion a line)"),
         ([], "holds no request"),
     ],
 )

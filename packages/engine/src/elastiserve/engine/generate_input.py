@@ -62,6 +62,9 @@ def _read_line(raw: str, lineno: int, defaults: dict[str, Any]) -> GenerateLine:
     if not isinstance(record, dict):
         raise BadRequest(f"expected a JSON object, got {type(record).__name__}")
     prompt, is_chat = _prompt(record)
+    for name in ("n", "best_of"):  # one completion a line: more would be dropped silently
+        if integer(record, name) not in (None, 1):
+            raise BadRequest(f"'{name}' must be 1 here (one completion a line): repeat the line with seeds instead")
     sampling = parse_sampling(record, ("max_tokens",))
     set_logprobs(sampling, integer(record, "logprobs"), "logprobs")
     stop = parse_stop(record)
