@@ -208,21 +208,38 @@ def test_serve_wires_the_reasoning_parser_and_chat_template(tmp_path, monkeypatc
     engine, apps = FakeEngine(), []
     engine.tokenizer = Tokenizer.from_dir(smollm2_dir())
     monkeypatch.setattr(cli, "make_engine", lambda model, policy, settings: engine)
-    monkeypatch.setattr(server, "run_forever", lambda app, host, port: apps.append(app))
+    monkeypatch.setattr(server, "run_forever", lambda app, sock: apps.append(app))
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     model = tmp_path / "model"  # a model folder whose generation config the server takes its defaults from
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20, "do_sample": True}))
-    assert cli.main(["serve", str(model), "--reasoning-parser", "deepseek_r1", "--chat-template", str(template)]) == 0
+    serve = ["serve", str(model), "--port", "0"]  # the socket is bound for real: any free port
+    assert cli.main([*serve, "--reasoning-parser", "deepseek_r1", "--chat-template", str(template)]) == 0
     assert apps[0][STATE_KEY].reasoning.name == "deepseek_r1"
     assert apps[0][STATE_KEY].default_sampling == {"temperature": 0.6, "top_k": 20}
     assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
-    assert cli.main(["serve", str(model), "--generation-config", "none"]) == 0
+    assert cli.main([*serve, "--generation-config", "none"]) == 0
     assert apps[-1][STATE_KEY].default_sampling == {}
-    assert cli.main(["serve", str(model), "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert cli.main([*serve, "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "neither a file nor a Jinja template" in capsys.readouterr().err and len(apps) == 2 and engine.closed
+
+
+def test_serve_refuses_a_port_in_use_or_out_of_range_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    built = []
+    monkeypatch.setattr(cli, "make_engine", lambda *a: built.append(a) or FakeEngine())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "fake", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err and not built
+    with pytest.raises(SystemExit):  # argparse's usage error, exit status 2
+        cli.main(["serve", "fake", "--port", "99999"])
+    assert "port 99999 is outside 0-65535" in capsys.readouterr().err and not built
 
 
 def test_generate_writes_jsonl(tmp_path, monkeypatch):

@@ -25,6 +25,17 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECA
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
+def port_number(text: str) -> int:
+    """``--port``: 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
+    return port
+
+
 def parse_size(text: str) -> int:
     """Bytes from "80GB" (decimal), "20GiB" (binary), "512MiB", "1.5G" (decimal) or a plain byte count."""
     match = _SIZE.match(str(text))
@@ -134,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port_number, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
@@ -171,18 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from elastiserve.engine.async_engine import AsyncEngine
-    from elastiserve.engine.server import build_app, run_forever
+    from elastiserve.engine.server import build_app, listen_socket, run_forever
 
-    engine = make_engine(args.model, args.policy, engine_settings(args))
-    use_chat_template(engine, args.chat_template)
-    defaults = serving_defaults(engine, args)
-    async_engine = AsyncEngine(engine).start()
+    sock = listen_socket(args.host, args.port)  # a port in use stops here, before the model loads
     try:
-        app = build_app(async_engine, engine.tokenizer, model_name=args.served_model_name or args.model,
-                        api_key=args.api_key, reasoning_parser=args.reasoning_parser, default_sampling=defaults)
-        run_forever(app, args.host, args.port)
+        engine = make_engine(args.model, args.policy, engine_settings(args))
+        use_chat_template(engine, args.chat_template)
+        defaults = serving_defaults(engine, args)
+        async_engine = AsyncEngine(engine).start()
+        try:
+            app = build_app(async_engine, engine.tokenizer, model_name=args.served_model_name or args.model,
+                            api_key=args.api_key, reasoning_parser=args.reasoning_parser, default_sampling=defaults)
+            run_forever(app, sock)
+        finally:
+            async_engine.shutdown()
     finally:
-        async_engine.shutdown()
+        sock.close()
     return 0
 
 

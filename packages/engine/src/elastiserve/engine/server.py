@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from elastiserve.engine.server_generation import (
     handle_generation,
     prompt_ids_of,
 )
+from elastiserve.platforms.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -194,20 +196,44 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str, api_key: 
     return app
 
 
-async def start_site(app: web.Application, host: str = "127.0.0.1", port: int = 8000) -> tuple[web.AppRunner, int]:
-    """Start serving ``app``; returns the runner and the bound port (``port=0`` picks a free one)."""
+async def start_site(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
+                     sock: socket.socket | None = None) -> tuple[web.AppRunner, int]:
+    """Start serving ``app`` on ``sock`` (from ``listen_socket``) or on ``host:port``; returns the runner and the
+    bound port (``port=0`` picks a free one)."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the request in the engine.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     await site.start()
+    if sock is not None:
+        return runner, sock.getsockname()[1]
     bound = site._server.sockets[0].getsockname()[1] if port == 0 else port  # type: ignore[union-attr]
     return runner, bound
 
 
-def run_forever(app: web.Application, host: str, port: int) -> None:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (as vLLM binds its port first), so a port in use or a host
+    that does not resolve stops ``serve`` in a second with a ``ConfigError``, not after the load with a traceback."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, OverflowError) as exc:  # gaierror is an OSError; a port past 65535 an OverflowError
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    return sock
+
+
+def run_forever(app: web.Application, sock: socket.socket) -> None:
     async def main() -> None:
-        runner, bound = await start_site(app, host, port)
+        runner, bound = await start_site(app, sock=sock)
+        host = sock.getsockname()[0]
         log.info("serving on http://%s:%d", host, bound)
         print(f"elastiserve: serving on http://{host}:{bound}/v1", flush=True)
         try:
