@@ -288,7 +288,8 @@ def test_dps_switch_mid_flight_restores_weights_and_loses_nothing(tiny_llama, de
     before_switch = {r.rid: sum(step < 5 for step, _, _ in outputs[r.rid]) for r in requests}
     cut_short = [r.rid for r in requests
                  if assert_like_alone(r.rid, outputs[r.rid], alone(r.prompt, r.max_tokens), 5) < before_switch[r.rid]]
-    assert sum(before_switch.values()) >= 4 and len(cut_short) <= 1, (before_switch, cut_short)
+    expected = 10 if device.type == "cpu" else 4  # the schedule's, whatever the numerics
+    assert sum(before_switch.values()) == expected and len(cut_short) <= 1, (before_switch, cut_short)
     step_until_full_precision(engine)
     for name, m in linears.items():
         assert torch.equal(m.lower, lower[name]), name

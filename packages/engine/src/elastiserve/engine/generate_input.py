@@ -67,8 +67,7 @@ def _read_line(raw: str, lineno: int, defaults: dict[str, Any]) -> GenerateLine:
             raise BadRequest(f"'{name}' must be 1 here (one completion a line): repeat the line with seeds instead")
     sampling = parse_sampling(record, ("max_tokens",))
     set_logprobs(sampling, integer(record, "logprobs"), "logprobs")
-    stop = parse_stop(record)
-    params = SamplingParams(**{**defaults, **sampling, **({"stop": stop} if stop else {})})
+    params = SamplingParams(**{**defaults, **sampling}, stop=parse_stop(record))
     # The model-free half of the engine's check: no vocabulary or context bound yet, one prompt token.
     params.validate(vocab_size=INT64_END, max_model_len=INT64_END, prompt_len=1)
     return GenerateLine(lineno, record, prompt, is_chat, params)
