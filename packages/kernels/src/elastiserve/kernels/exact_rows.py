@@ -25,6 +25,7 @@ from elastiserve.kernels.weight_decode import decode_weight_tile
 from elastiserve.platforms import current_platform
 
 _BLOCK_K = 256
+BLOCK_T = 16
 
 
 @triton.jit
@@ -81,8 +82,10 @@ def _check(x: torch.Tensor, picked: torch.Tensor, upper: torch.Tensor, lower: to
 
 
 def exact_rows(x: torch.Tensor, picked: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
-               bias: torch.Tensor | None, nesting: int, weight_exp: int = 0) -> torch.Tensor:
-    """[R, T] in ``x.dtype``: each row of ``x`` against the exact weight rows it picked (see the reference)."""
+               bias: torch.Tensor | None, nesting: int, weight_exp: int = 0, *, block_t: int | None = None
+               ) -> torch.Tensor:
+    """[R, T] in ``x.dtype``: each row of ``x`` against the exact weight rows it picked (see the reference).
+    ``block_t``: picked rows a program (a power of two; default ``BLOCK_T``)."""
     _check(x, picked, upper, lower, bias, nesting)
     unit_stride = x.stride(1) == 1 and picked.stride(1) == 1 and upper.stride(1) == 1 and lower.stride(1) == 1
     if not unit_stride or current_platform().kernel_backend == "reference":
@@ -91,7 +94,7 @@ def exact_rows(x: torch.Tensor, picked: torch.Tensor, upper: torch.Tensor, lower
     out = torch.empty((rows, num_picked), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    block_t = min(16, triton.next_power_of_2(num_picked))
+    block_t = min(block_t or BLOCK_T, triton.next_power_of_2(num_picked))
     grid = (rows, triton.cdiv(num_picked, block_t))
     _exact_rows_kernel[grid](
         x, picked, upper, lower, bias if bias is not None else x, out, num_picked, x.shape[1],
