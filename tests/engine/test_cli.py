@@ -208,7 +208,7 @@ def test_serve_wires_the_reasoning_parser_and_chat_template(tmp_path, monkeypatc
     engine, apps = FakeEngine(), []
     engine.tokenizer = Tokenizer.from_dir(smollm2_dir())
     monkeypatch.setattr(cli, "make_engine", lambda model, policy, settings: engine)
-    monkeypatch.setattr(server, "run_forever", lambda app, sock: apps.append(app))
+    monkeypatch.setattr(server, "run_forever", lambda app, socks: apps.append(app))
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     model = tmp_path / "model"  # a model folder whose generation config the server takes its defaults from

@@ -182,9 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from elastiserve.engine.async_engine import AsyncEngine
-    from elastiserve.engine.server import build_app, listen_socket, run_forever
+    from elastiserve.engine.server import build_app, listen_sockets, run_forever
 
-    sock = listen_socket(args.host, args.port)  # a port in use stops here, before the model loads
+    socks = listen_sockets(args.host, args.port)  # a port in use stops here, before the model loads
     try:
         engine = make_engine(args.model, args.policy, engine_settings(args))
         use_chat_template(engine, args.chat_template)
@@ -193,11 +193,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             app = build_app(async_engine, engine.tokenizer, model_name=args.served_model_name or args.model,
                             api_key=args.api_key, reasoning_parser=args.reasoning_parser, default_sampling=defaults)
-            run_forever(app, sock)
+            run_forever(app, socks)
         finally:
             async_engine.shutdown()
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
     return 0
 
 

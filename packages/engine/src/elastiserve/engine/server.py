@@ -197,45 +197,58 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str, api_key: 
 
 
 async def start_site(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
-                     sock: socket.socket | None = None) -> tuple[web.AppRunner, int]:
-    """Start serving ``app`` on ``sock`` (from ``listen_socket``) or on ``host:port``; returns the runner and the
+                     socks: list[socket.socket] | None = None) -> tuple[web.AppRunner, int]:
+    """Start serving ``app`` on ``socks`` (from ``listen_sockets``) or on ``host:port``; returns the runner and the
     bound port (``port=0`` picks a free one)."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the request in the engine.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+    if socks:
+        for sock in socks:
+            await web.SockSite(runner, sock).start()
+        return runner, socks[0].getsockname()[1]
+    site = web.TCPSite(runner, host, port)
     await site.start()
-    if sock is not None:
-        return runner, sock.getsockname()[1]
     bound = site._server.sockets[0].getsockname()[1] if port == 0 else port  # type: ignore[union-attr]
     return runner, bound
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before the model loads (as vLLM binds its port first), so a port in use or a host
-    that does not resolve stops ``serve`` in a second with a ``ConfigError``, not after the load with a traceback."""
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, one for each address ``host`` resolves to (``localhost``: 127.0.0.1 and ::1, as
+    asyncio's ``create_server`` binds them), bound before the model loads (as vLLM binds its port first), so a port
+    in use or a host that does not resolve stops ``serve`` in a second with a ``ConfigError``, not after the load
+    with a traceback. With ``port=0`` every address gets the port the first one drew."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, OverflowError) as exc:  # gaierror is an OSError; a port past 65535 an OverflowError
         raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    socks: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
-        sock.bind(address)
-        sock.listen(1024)
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # a resolver may list an address twice
+            if socks and port == 0:
+                address = (address[0], socks[0].getsockname()[1], *address[2:])
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+            if family == socket.AF_INET6:  # :: would otherwise take IPv4 too and collide with 0.0.0.0's socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(1024)
     except OSError as exc:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
-    return sock
+    return socks
 
 
-def run_forever(app: web.Application, sock: socket.socket) -> None:
+def run_forever(app: web.Application, socks: list[socket.socket]) -> None:
     async def main() -> None:
-        runner, bound = await start_site(app, sock=sock)
-        host = sock.getsockname()[0]
-        log.info("serving on http://%s:%d", host, bound)
-        print(f"elastiserve: serving on http://{host}:{bound}/v1", flush=True)
+        runner, bound = await start_site(app, socks=socks)
+        for sock in socks:
+            host = sock.getsockname()[0]
+            url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+            log.info("serving on %s", url)
+            print(f"elastiserve: serving on {url}/v1", flush=True)
         try:
             await asyncio.Event().wait()
         finally:
