@@ -35,3 +35,14 @@ def test_the_torch_topk_variant_equals_the_shipped_step(probe):
     want = exact_top_logits(x, approx, upper, lower, None, Nesting.E4M3, 0, 8)
     assert not torch.equal(want, approx)  # some top logit changed
     torch.testing.assert_close(got.sort(-1).values, want.sort(-1).values, rtol=0, atol=0)
+
+
+def test_a_top_k_setting_is_put_back_also_when_the_body_raises(probe):
+    from elastiserve.kernels import top_k
+
+    before = top_k.CHUNK, top_k.CHUNK_WARPS, top_k.LAST_STEP_WARPS
+    with pytest.raises(RuntimeError), probe.top_k_setting(2048, 2, 8):
+        assert (top_k.CHUNK, top_k.CHUNK_WARPS, top_k.LAST_STEP_WARPS) == (2048, 2, 8)
+        raise RuntimeError("boom")
+    assert before == (top_k.CHUNK, top_k.CHUNK_WARPS, top_k.LAST_STEP_WARPS)
+    assert probe.TOP_K_SETTINGS[0] == before  # the probe's first setting is the shipped one

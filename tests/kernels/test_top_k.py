@@ -25,13 +25,17 @@ def _assert_top_k(scores: torch.Tensor, got: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 300, 16), (3, 1024, 5), (2, 3000, 16), (1, 2050, 7),
                                               (2, 1030, 16), (1, 40, 40)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_top_k_indices_match_torch_topk(device, rows, n, k, dtype):
-    """n = 3,000: two full chunks and a tail; 1,030: a 6-score tail under k = 16; 40 with k = 40: all of a row."""
+@pytest.mark.parametrize("last_step_max", [top_k.LAST_STEP_MAX, 512])
+def test_top_k_indices_match_torch_topk(device, rows, n, k, dtype, last_step_max, monkeypatch):
+    """One program a row, and (last step up to 512 scores) chunks of 1,024: n = 3,000 is two full chunks and a tail;
+    1,030 a 6-score tail under k = 16; 40 with k = 40 all of a row."""
+    monkeypatch.setattr(top_k, "LAST_STEP_MAX", last_step_max)
     scores = torch.randn(rows, n, generator=torch.Generator().manual_seed(n + k)).to(dtype).to(device)
     _assert_top_k(scores, top_k_indices(scores, k), k)
 
 
-def test_ties_minus_inf_and_nan(device):
+def test_ties_minus_inf_and_nan(device, monkeypatch):
+    monkeypatch.setattr(top_k, "LAST_STEP_MAX", 512)  # three chunks of 1,024
     gen = torch.Generator().manual_seed(3)
     scores = torch.randint(0, 4, (3, 2500), generator=gen).half()  # four values: thousands of ties
     scores[1] = float("-inf")

@@ -7,7 +7,7 @@ each unnested layer stayed 16-bit.
 A nested output head may keep its largest fast-mode outputs exact (``NestedLinear.exact_top``): the ``top`` largest
 logits of each row are recomputed from the exact fp16 rows of the weight (both planes of just those rows), so greedy
 decoding and the probability mass near the top see the full-precision head while every other logit comes from the
-upper plane alone. ``exact_top_logits`` is that step: ``elastiserve::top_k_indices`` (two chunked launches), one
+upper plane alone. ``exact_top_logits`` is that step: ``elastiserve::top_k_indices`` (two short launches), one
 ``elastiserve::exact_rows`` launch (the picked rows of both planes merged and dotted in fp32) and a scatter,
 capturable in a CUDA graph.
 """

@@ -1,13 +1,14 @@
-"""The indices of each row's k largest scores in two short launches: the candidate step of a head's exact top logits.
+"""The indices of each row's k largest scores in two short launches: the first step of a head's exact top logits.
 
 ``NestedLinear.exact_top`` recomputes each token's k largest fast-mode logits from the exact weight rows, so every
 decode step first finds them among 128,256 logits (Llama-3.1-8B). ``torch.topk`` does it as a radix select over the
 whole row; with ``elastiserve::exact_rows`` fused, the exact-top head still cost 3.9 % of the batch-1 fast decode
 step over the FP8 head on an H100 (3.180 against 3.062 ms, BENCHMARKS.md, engine, session 43), the same as with the
-dozen torch ops before it (3.4 %, session 39). Here the row is cut into 1,024-wide chunks: one program a (row, chunk)
-takes its chunk's k largest by k rounds of max and mask in registers, a second launch does the same over the
-candidates (k a chunk: 2,016 a row at k = 16). The union of each chunk's k largest holds the row's k largest, so the
-result is the same set as a full top-k, up to which of equal scores is taken (the lowest index here).
+dozen torch ops before it (3.4 %, session 39). Here a row of up to 8,192 scores is one program that takes its k
+largest by k rounds of max and mask in registers; a longer row is cut into 1,024-wide chunks, one program (one warp)
+a chunk does the same, and a last program a row picks from the candidates (k a chunk: 2,016 a row at k = 16). The
+union of each chunk's k largest holds the row's k largest, so the result is the same set as a full top-k, up to which
+of equal scores is taken (the lowest index here).
 
 Registered op: ``elastiserve::top_k_indices(scores, k) -> [R, k] int64`` (in no particular order);
 reference: ``top_k_indices_reference`` (``torch.topk``). NaN scores are not ordered (a NaN row is a broken model).
@@ -22,8 +23,10 @@ import triton.language as tl
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.platforms import current_platform
 
-CHUNK = 1024  # scores a first-step program; 4 warps hold 8 a thread
-LAST_STEP_MAX = 8192  # candidates the last step holds in one program (8 warps: 32 a thread)
+CHUNK = 1024  # scores a first-step program
+CHUNK_WARPS = 1  # one warp a chunk: its k rounds of max and min are warp shuffles, no shared memory or barrier
+LAST_STEP_MAX = 8192  # candidates the last step holds in one program
+LAST_STEP_WARPS = 4
 MAX_K = 64  # k rounds of max + mask a program: past this a radix select (torch.topk) is the better tool
 
 
@@ -71,7 +74,8 @@ def _check(scores: torch.Tensor, k: int) -> None:
         raise ValueError(f"scores must be floating point, got {scores.dtype}")
 
 
-def _launch(scores: torch.Tensor, index_in: torch.Tensor | None, k: int, block: int) -> tuple[torch.Tensor, ...]:
+def _launch(scores: torch.Tensor, index_in: torch.Tensor | None, k: int, block: int, warps: int
+            ) -> tuple[torch.Tensor, ...]:
     rows, n = scores.shape
     chunks = triton.cdiv(n, block)
     values = torch.empty((rows, chunks * k), dtype=torch.float32, device=scores.device)
@@ -79,7 +83,7 @@ def _launch(scores: torch.Tensor, index_in: torch.Tensor | None, k: int, block: 
     _chunk_top_kernel[(rows, chunks)](
         scores, index_in if index_in is not None else index, values, index, n, scores.stride(0),
         index_in.stride(0) if index_in is not None else 0, values.stride(0),
-        K=k, BLOCK=block, HAS_INDEX=index_in is not None, num_warps=4 if block <= 2048 else 8, **pdl_options())
+        K=k, BLOCK=block, HAS_INDEX=index_in is not None, num_warps=warps, **pdl_options())
     return values, index
 
 
@@ -89,12 +93,12 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     rows, n = scores.shape
     if k > MAX_K or scores.stride(1) != 1 or current_platform().kernel_backend == "reference" or rows == 0:
         return top_k_indices_reference(scores, k)
-    if n <= CHUNK:  # one chunk: the first step alone is the answer
-        return _launch(scores, None, k, triton.next_power_of_2(n))[1]
-    values, index = _launch(scores, None, k, CHUNK)
+    if n <= LAST_STEP_MAX:  # one program a row is the answer
+        return _launch(scores, None, k, triton.next_power_of_2(n), LAST_STEP_WARPS)[1]
+    values, index = _launch(scores, None, k, CHUNK, CHUNK_WARPS)
     while values.shape[1] > LAST_STEP_MAX:  # a vocabulary past ~500 K (k = 16): another chunked step
-        values, index = _launch(values, index, k, CHUNK)
-    return _launch(values, index, k, triton.next_power_of_2(values.shape[1]))[1]
+        values, index = _launch(values, index, k, CHUNK, CHUNK_WARPS)
+    return _launch(values, index, k, triton.next_power_of_2(values.shape[1]), LAST_STEP_WARPS)[1]
 
 
 @torch.library.custom_op("elastiserve::top_k_indices", mutates_args=())
