@@ -11,7 +11,8 @@ union of each chunk's k largest holds the row's k largest, so the result is the 
 of equal scores is taken (the lowest index here).
 
 Registered op: ``elastiserve::top_k_indices(scores, k) -> [R, k] int64`` (in no particular order);
-reference: ``top_k_indices_reference`` (``torch.topk``). NaN scores are not ordered (a NaN row is a broken model).
+reference: ``top_k_indices_reference`` (``torch.topk``). NaN ranks as -inf here and first in ``torch.topk``: a NaN
+logit is a broken model either way.
 """
 
 from __future__ import annotations
