@@ -7,9 +7,8 @@ each unnested layer stayed 16-bit.
 A nested output head may keep its largest fast-mode outputs exact (``NestedLinear.exact_top``): the ``top`` largest
 logits of each row are recomputed from the exact fp16 rows of the weight (both planes of just those rows), so greedy
 decoding and the probability mass near the top see the full-precision head while every other logit comes from the
-upper plane alone. ``exact_top_logits`` is that step: ``elastiserve::top_k_indices`` (two short launches), one
-``elastiserve::exact_rows`` launch (the picked rows of both planes merged and dotted in fp32) and a scatter,
-capturable in a CUDA graph.
+upper plane alone. ``exact_top_logits`` is that step: a top-k, one ``elastiserve::exact_rows`` launch (the picked
+rows of both planes merged and dotted in fp32) and a scatter, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from elastiserve.kernels.exact_rows import exact_rows_op
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.fp8_activations import Fp8Rows
 from elastiserve.kernels.nested_gemm import fast_mode_for, nested_linear_fp8_op, nested_linear_op
-from elastiserve.kernels.top_k import top_k_indices_op
 from elastiserve.platforms import ConfigError
 
 PRECISION_MODES = ("full", "fast")
@@ -170,7 +168,7 @@ def exact_top_logits(x: torch.Tensor, approx: torch.Tensor, upper: torch.Tensor,
     dot with the row, rounded as the full-mode GEMM rounds). Ties in ``approx`` pick any ``top``; an entry outside
     them keeps its fast-mode value. Returns a new tensor."""
     top = min(int(top), approx.shape[-1])
-    picked = top_k_indices_op(approx, top)  # [R, top]
+    picked = approx.topk(top, dim=-1, sorted=False).indices  # [R, top]
     exact = exact_rows_op(x, picked, upper, lower, bias, int(nesting), int(weight_exp))
     return approx.scatter(-1, picked, exact.to(approx.dtype))
 
