@@ -313,7 +313,9 @@ def test_generate_on_smollm2(tmp_path):
         (['{"prompt": "a", "logprobs": 21}'], "'logprobs' must be between 0 and 20"),
         (['{"prompt": "a", "stop": [""]}'], "'stop' must be a non-empty string"),
         (['{"prompt": "a", "logit_bias": {"x": 1}}'], "'logit_bias' keys must be token ids"),
-        (['{"prompt": "a", "n": 2}'], "'n' must be 1 here (one completion a line)"),
+        (['{"prompt": "a", "n": 65}'], "'n' must be between 1 and 64, got 65"),
+        (['{"prompt": "a", "n": 3, "best_of": 2}'], "'best_of' must be between n (3) and 64, got 2"),
+        (['{"prompt": "a", "best_of": 2}'], "'best_of' above 'n' needs sampling"),  # --temperature's default: 0
         ([], "holds no request"),
     ],
 )

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import sys
@@ -159,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.add_argument("--input", type=Path, required=True,
                      help='JSONL, one request a line: {"prompt": ...}, {"messages": [...]} or '
-                          '{"prompt_token_ids": [...]}, with any sampling field')
+                          '{"prompt_token_ids": [...]}, with any sampling field (with n > 1 a row holds "choices")')
     gen.add_argument("--output", type=Path, required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -233,18 +232,9 @@ def serving_defaults(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     return defaults
 
 
-def _prompt_ids(engine: Any, line: Any) -> list[int]:
-    """A line's prompt as token ids (text and chats through the model's tokenizer and chat template)."""
-    if isinstance(line.prompt, list) and not line.is_chat:
-        return list(line.prompt)
-    if engine.tokenizer is None:
-        raise ConfigError("the model has no tokenizer: give 'prompt_token_ids'")
-    text = engine.tokenizer.apply_chat_template(line.prompt) if line.is_chat else line.prompt
-    return list(engine.tokenizer.encode(text))
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from elastiserve.engine.generate_input import read_generate_input
+    from elastiserve.engine.generate_run import run_generate
 
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "top_k": args.top_k}
@@ -252,46 +242,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = make_engine(args.model, args.policy, engine_settings(args))
     use_chat_template(engine, args.chat_template)
     try:
-        return _generate(engine, lines, args)
+        rows = run_generate(engine, lines, str(args.input), args.output)
     finally:
         engine.close()  # VMM units and, with tensor parallelism, the worker processes
-
-
-def _generate(engine: Any, lines: list, args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from elastiserve.engine.errors import InvalidRequest
-    from elastiserve.engine.request_fields import BadRequest
-
-    for i, line in enumerate(lines):  # nothing runs before every request is in: a refusal costs no generation
-        try:
-            engine.add_request(str(i), _prompt_ids(engine, line), line.params)
-        except (InvalidRequest, BadRequest, ConfigError) as exc:  # too long for the model, a template error...
-            raise ConfigError(f"{args.input} line {line.lineno}: {exc}") from None
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(lines))}
-    reasons: dict[str, str | None] = {}
-    logprobs: dict[str, list[list]] = {}
-    with tqdm(total=len(lines), desc="generate") as bar:
-        while engine.has_unfinished():
-            for out in engine.step():
-                outputs[out.request_id].extend(out.new_token_ids)
-                for entry in out.logprobs or []:  # [token id, logprob, [[id, logprob], ...]] per generated token
-                    logprobs.setdefault(out.request_id, []).append([entry.token_id, entry.logprob,
-                                                                    [list(t) for t in entry.top]])
-                if out.finished:
-                    reasons[out.request_id] = out.finish_reason
-                    bar.update(1)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with args.output.open("w") as f:
-        for i, line in enumerate(lines):
-            ids = outputs[str(i)]
-            text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else None
-            row = {"index": i, "input": line.record, "text": text, "token_ids": ids,
-                   "finish_reason": reasons.get(str(i))}
-            if str(i) in logprobs:
-                row["logprobs"] = logprobs[str(i)]
-            f.write(json.dumps(row) + "\n")
-    print(f"wrote {len(lines)} completions to {args.output}")
+    print(f"wrote {rows} rows to {args.output}")
     return 0
 
 

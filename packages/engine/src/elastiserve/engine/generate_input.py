@@ -1,9 +1,9 @@
 """The input file of ``elastiserve generate``: one JSON object a line, read and checked whole before the model loads,
 through the server's own field readers, so that a typo on line 900 costs a second, not a model load. A line gives its
 prompt as exactly one of ``prompt`` (text), ``messages`` (a chat, rendered by the model's template) or
-``prompt_token_ids``, and any sampling field of a completions request (``logprobs`` is a count, as there); other keys
-ride along into the output row. What needs the model (the vocabulary, the context length) the engine checks when the
-request is added. Plain Python."""
+``prompt_token_ids``, and any sampling field of a completions request (``logprobs`` is a count, as there; ``n`` and
+``best_of`` as there, without streaming); other keys ride along into the output row. What needs the model (the
+vocabulary, the context length) the engine checks when the request is added. Plain Python."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elastiserve.engine.errors import InvalidRequest
-from elastiserve.engine.protocol import parse_messages, parse_sampling, parse_stop, set_logprobs
+from elastiserve.engine.protocol import parse_choices, parse_messages, parse_sampling, parse_stop, set_logprobs
 from elastiserve.engine.request_fields import BadRequest, integer
 from elastiserve.engine.sampling import INT64_END, SamplingParams
 from elastiserve.platforms.errors import ConfigError
@@ -28,6 +28,8 @@ class GenerateLine:
     prompt: str | list[int] | list[dict[str, Any]]  # text, token ids, or the chat's messages (``is_chat``)
     is_chat: bool
     params: SamplingParams
+    n: int = 1  # completions returned for the line
+    best_of: int = 1  # candidates generated, the n best returned (n <= best_of)
 
 
 def read_generate_input(path: Path, defaults: dict[str, Any]) -> list[GenerateLine]:
@@ -62,15 +64,13 @@ def _read_line(raw: str, lineno: int, defaults: dict[str, Any]) -> GenerateLine:
     if not isinstance(record, dict):
         raise BadRequest(f"expected a JSON object, got {type(record).__name__}")
     prompt, is_chat = _prompt(record)
-    for name in ("n", "best_of"):  # one completion a line: more would be dropped silently
-        if integer(record, name) not in (None, 1):
-            raise BadRequest(f"'{name}' must be 1 here (one completion a line): repeat the line with seeds instead")
     sampling = parse_sampling(record, ("max_tokens",))
     set_logprobs(sampling, integer(record, "logprobs"), "logprobs")
     params = SamplingParams(**{**defaults, **sampling}, stop=parse_stop(record))
+    n, best_of = parse_choices(record, False, {"temperature": params.temperature})
     # The model-free half of the engine's check: no vocabulary or context bound yet, one prompt token.
     params.validate(vocab_size=INT64_END, max_model_len=INT64_END, prompt_len=1)
-    return GenerateLine(lineno, record, prompt, is_chat, params)
+    return GenerateLine(lineno, record, prompt, is_chat, params, n, best_of)
 
 
 def _prompt(record: dict[str, Any]) -> tuple[str | list[int] | list[dict[str, Any]], bool]:

@@ -144,7 +144,7 @@ def _parse_logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
 MAX_N = 64  # choices per request
 
 
-def _parse_choices(body: dict, stream: bool, sampling: dict[str, Any]) -> tuple[int, int]:
+def parse_choices(body: dict, stream: bool, sampling: dict[str, Any]) -> tuple[int, int]:
     """``n`` and ``best_of`` (default ``n``). Candidates beyond ``n`` are ranked once all have finished, so they
     cannot stream (OpenAI refuses the same), and greedy candidates are all the same text, so there is nothing to
     rank (vLLM refused greedy best_of too)."""
@@ -207,7 +207,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     if check_type(body, "suffix", (str,), "a string"):  # refused, not dropped: the text after it would be wrong
         raise BadRequest("'suffix' (fill-in-the-middle) is not supported", param="suffix", code="unsupported")
     sampling = parse_sampling(body, ("max_tokens",))
-    n, best_of = _parse_choices(body, flags["stream"], sampling)
+    n, best_of = parse_choices(body, flags["stream"], sampling)
     if len(prompts) * best_of > MAX_CANDIDATES:
         raise BadRequest(f"{len(prompts)} prompts x best_of {best_of} is over {MAX_CANDIDATES} sequences a request",
                          param="prompt")
@@ -315,7 +315,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     messages = parse_messages(body)
     flags = _stream_flags(body)
     sampling = parse_sampling(body, ("max_completion_tokens", "max_tokens"))
-    n, best_of = _parse_choices(body, flags["stream"], sampling)
+    n, best_of = parse_choices(body, flags["stream"], sampling)
     if sampling.get("max_tokens") == 0:
         raise BadRequest("'max_tokens' must be at least 1, got 0", param="max_tokens")
     wants = check_type(body, "logprobs", (bool,), "a boolean")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,3 +92,11 @@ class SamplingParams:
             raise InvalidRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds max_model_len {max_model_len}"
             )
+
+
+def choice_params(params: Any, index: int) -> Any:
+    """Choice ``index`` of a request's ``n`` (server and ``generate`` alike): a seeded request's choices draw from
+    seeds ``seed + index``, so each differs and each can be replayed alone."""
+    if index == 0 or getattr(params, "seed", None) is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)

@@ -30,6 +30,7 @@ from elastiserve.engine.protocol import ParsedRequest
 from elastiserve.engine.reasoning import ReasoningFormat, attach_reasoning
 from elastiserve.engine.request_fields import BadRequest
 from elastiserve.engine.request_run import RequestRun, prompt_text
+from elastiserve.engine.sampling import choice_params
 from elastiserve.engine.server_stream import stream_response
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("elastiserve_state")
@@ -184,13 +185,6 @@ async def gather_or_cancel(coroutines: Any) -> list[Any]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def choice_params(params: Any, index: int) -> Any:
-    """Choice ``index``'s parameters: a seeded request's choices draw from seeds ``seed + index``."""
-    if index == 0 or getattr(params, "seed", None) is None:
-        return params
-    return dataclasses.replace(params, seed=params.seed + index)
 
 
 async def collect(run: RequestRun, output: Any, outputs: Any) -> str:
