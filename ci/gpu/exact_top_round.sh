@@ -5,9 +5,10 @@
 # torch.topk (3abd2a9, this round's first run) +80 to +143 us: no gain, not kept. That run's probe had 150 s and
 # printed nothing (its six top-k settings' compiles); it has 240 s now and no top-k settings.
 # 1. The head's tests on the GPU (SKIP_TESTS=1 after a whole-suite call). 2. probe_exact_top.py: each step of
-# exact_top_logits alone (torch.topk, exact_rows at 16 / 4 / 2 / 1 picked rows a program, the scatter, the whole
-# step) at batches 1 / 8 / 32 and k = 16 / 64. 3. The decode table with --nest-lm-head and with
-# --lm-head-exact-top 16, side by side. If a smaller exact_rows BLOCK_T wins in the probe, set it and rerun item 3.
+# exact_top_logits alone (torch.topk, exact_rows at 16 / 4 / 2 / 1 picked rows a program and K tiles of 256 /
+# 1,024 / 4,096, the scatter, the whole step) at batches 1 / 8 / 32 and k = 16 / 64. 3. The decode table with
+# --nest-lm-head and with --lm-head-exact-top 16, side by side. If another exact_rows launch wins in the probe, set
+# exact_rows.BLOCK_T / BLOCK_K and rerun item 3.
 source ci/gpu/bootstrap.sh
 set +e
 start_round

@@ -24,7 +24,7 @@ from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.weight_decode import decode_weight_tile
 from elastiserve.platforms import current_platform
 
-_BLOCK_K = 256
+BLOCK_K = 256
 BLOCK_T = 16
 
 
@@ -82,10 +82,11 @@ def _check(x: torch.Tensor, picked: torch.Tensor, upper: torch.Tensor, lower: to
 
 
 def exact_rows(x: torch.Tensor, picked: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
-               bias: torch.Tensor | None, nesting: int, weight_exp: int = 0, *, block_t: int | None = None
-               ) -> torch.Tensor:
+               bias: torch.Tensor | None, nesting: int, weight_exp: int = 0, *, block_t: int | None = None,
+               block_k: int | None = None) -> torch.Tensor:
     """[R, T] in ``x.dtype``: each row of ``x`` against the exact weight rows it picked (see the reference).
-    ``block_t``: picked rows a program (a power of two; default ``BLOCK_T``)."""
+    ``block_t`` / ``block_k``: picked rows a program and its K tile (powers of two; defaults ``BLOCK_T`` /
+    ``BLOCK_K``); another K tile sums in another order (one fp16 rounding apart at most)."""
     _check(x, picked, upper, lower, bias, nesting)
     unit_stride = x.stride(1) == 1 and picked.stride(1) == 1 and upper.stride(1) == 1 and lower.stride(1) == 1
     if not unit_stride or current_platform().kernel_backend == "reference":
@@ -100,7 +101,7 @@ def exact_rows(x: torch.Tensor, picked: torch.Tensor, upper: torch.Tensor, lower
         x, picked, upper, lower, bias if bias is not None else x, out, num_picked, x.shape[1],
         2.0 ** formats.check_weight_exp(weight_exp),
         x.stride(0), picked.stride(0), upper.stride(0), lower.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, NESTING=int(nesting), BLOCK_T=block_t, BLOCK_K=_BLOCK_K, num_warps=4,
+        HAS_BIAS=bias is not None, NESTING=int(nesting), BLOCK_T=block_t, BLOCK_K=block_k or BLOCK_K, num_warps=4,
         **pdl_options())
     return out
 
