@@ -3,7 +3,7 @@
 # 43 measured the head with the fused exact_rows kernel at +85 to +118 us (2.5-3.9 %) on the fast step over the FP8
 # head at batches 1-32 (H100), no better than the torch ops before it, and with a chunked Triton top-k in place of
 # torch.topk (3abd2a9, this round's first run) +80 to +143 us: no gain, not kept. That run's probe had 150 s and
-# printed nothing (its six top-k settings' compiles); it has 240 s now and no top-k settings.
+# printed nothing (it compiled six top-k settings among the rest); it has 240 s now and no top-k settings.
 # 1. The head's tests on the GPU (SKIP_TESTS=1 after a whole-suite call). 2. probe_exact_top.py: each step of
 # exact_top_logits alone (torch.topk, exact_rows at 16 / 4 / 2 / 1 picked rows a program and K tiles of 256 /
 # 1,024 / 4,096, the scatter, the whole step) at batches 1 / 8 / 32 and k = 16 / 64. 3. The decode table with
