@@ -69,6 +69,48 @@ def test_a_host_with_two_addresses_gets_two_sockets_on_one_port(monkeypatch):
             sock.close()
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_ipv4_and_ipv6_addresses_share_the_port_and_a_lone_ipv6_keeps_dual_stack(monkeypatch):
+    """127.0.0.1 and ::1 (localhost on most machines): the IPv6 socket is IPv6-only, so the two do not collide; a
+    lone IPv6 address keeps the system's default. Where ::1 cannot be bound, the attempt is a ConfigError that closes
+    the IPv4 socket bound before it."""
+    def resolve(host, port, *args, **kwargs):
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    if not _ipv6_loopback():
+        with pytest.raises(ConfigError, match="cannot listen on dualhost:0"):
+            listen_sockets("dualhost", 0)
+        monkeypatch.undo()
+        for sock in listen_sockets("127.0.0.1", 0):  # the port search is not left holding anything
+            sock.close()
+        return
+    socks = listen_sockets("dualhost", 0)
+    monkeypatch.undo()
+    try:
+        assert [sock.family for sock in socks] == [socket.AF_INET, socket.AF_INET6]
+        assert socks[0].getsockname()[1] == socks[1].getsockname()[1]
+        assert socks[1].getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+        assert asyncio.run(_health_on_every_socket(socks)) == ["ok", "ok"]
+    finally:
+        for sock in socks:
+            sock.close()
+    (lone,) = listen_sockets("::", 0)  # every address: IPv4 too where the system is dual-stack by default
+    with lone, socket.socket(socket.AF_INET6) as fresh:
+        fresh.bind(("::", 0))
+        assert lone.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == \
+            fresh.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+
+
 def test_a_port_taken_or_a_host_that_does_not_resolve_is_a_config_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -223,6 +223,7 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
     except (OSError, OverflowError) as exc:  # gaierror is an OSError; a port past 65535 an OverflowError
         raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
     socks: list[socket.socket] = []
+    has_ipv4 = any(info[0] == socket.AF_INET for info in infos)  # a lone :: keeps the system's dual-stack default
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):  # a resolver may list an address twice
             if socks and port == 0:
@@ -230,7 +231,7 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
             sock = socket.socket(family, kind, proto)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
-            if family == socket.AF_INET6:  # :: would otherwise take IPv4 too and collide with 0.0.0.0's socket
+            if family == socket.AF_INET6 and has_ipv4:  # :: would take IPv4 too and collide with 0.0.0.0's socket
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
             sock.listen(1024)
