@@ -23,7 +23,6 @@ from elastiserve.platforms.errors import ConfigError
 
 @dataclasses.dataclass(slots=True)
 class _Candidate:
-    request_id: str
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[list] = dataclasses.field(default_factory=list)  # [token id, logprob, [[id, logprob], ...]]
     finish_reason: str | None = None
@@ -62,7 +61,7 @@ def run_generate(engine: Any, lines: list[GenerateLine], input_name: str, output
             ids = prompt_ids(engine, line)
             for j, name in enumerate(names):
                 engine.add_request(name, ids, choice_params(params, j), prefix_leader=None if j == 0 else names[0])
-                candidates[name] = _Candidate(name)
+                candidates[name] = _Candidate()
         except (InvalidRequest, BadRequest, ConfigError) as exc:  # too long for the model, a template error...
             raise ConfigError(f"{input_name} line {line.lineno}: {exc}") from None
     with tqdm(total=len(candidates), desc="generate") as bar:
