@@ -45,3 +45,19 @@ def test_choices_replay_from_their_seeds_and_best_of_keeps_the_best(tmp_path):
     assert _mean(two_best["choices"][0]) >= _mean(two_best["choices"][1])
     assert best["token_ids"] == ranked[0]["token_ids"] and best["input"]["tag"] == "best"
     assert "logprobs" not in best and "choices" not in best  # scored to rank, not asked for; n = 1 stays flat
+
+
+def test_an_empty_candidate_ranks_last_as_on_the_server():
+    """A candidate that sampled nothing (stopped at once) has no score: it must not outrank scored ones (a mean over
+    no tokens read as 0 would have ranked it first)."""
+    from types import SimpleNamespace
+
+    from elastiserve.engine.generate_run import _Candidate, _row
+    from elastiserve.engine.sampling import SamplingParams
+
+    empty = _Candidate(finish_reason="stop")
+    worse = _Candidate([5, 6], [[5, -2.0, []], [6, -2.0, []]], "length")
+    better = _Candidate([7], [[7, -0.5, []]], "length")
+    line = SimpleNamespace(n=2, best_of=3, record={}, params=SamplingParams(temperature=1.0))
+    row = _row(SimpleNamespace(tokenizer=None), 0, line, [empty, worse, better])
+    assert [c["token_ids"] for c in row["choices"]] == [[7], [5, 6]]

@@ -17,7 +17,7 @@ from typing import Any
 from elastiserve.engine.errors import InvalidRequest
 from elastiserve.engine.generate_input import GenerateLine
 from elastiserve.engine.request_fields import BadRequest
-from elastiserve.engine.sampling import choice_params
+from elastiserve.engine.sampling import best_candidates, choice_params
 from elastiserve.platforms.errors import ConfigError
 
 
@@ -29,7 +29,8 @@ class _Candidate:
 
     @property
     def mean_logprob(self) -> float:
-        return sum(entry[1] for entry in self.logprobs) / max(1, len(self.logprobs))
+        """Per sampled token; an empty candidate ranks last, as on the server (``RequestRun.mean_logprob``)."""
+        return sum(entry[1] for entry in self.logprobs) / len(self.logprobs) if self.logprobs else float("-inf")
 
 
 def candidate_ids(index: int, best_of: int) -> list[str]:
@@ -82,8 +83,8 @@ def run_generate(engine: Any, lines: list[GenerateLine], input_name: str, output
 
 
 def _row(engine: Any, index: int, line: GenerateLine, group: list[_Candidate]) -> dict[str, Any]:
-    if line.best_of > line.n:  # the n of the highest mean log-probability per token, best first (ties: lower index)
-        group = sorted(group, key=lambda c: -c.mean_logprob)[: line.n]
+    if line.best_of > line.n:  # the n of the highest mean log-probability per token, best first
+        group = [group[k] for k in best_candidates(group, line.n)]
     choices = [_choice(engine, line, candidate) for candidate in group]
     if line.n == 1:
         return {"index": index, "input": line.record, **choices[0]}

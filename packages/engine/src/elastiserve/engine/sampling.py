@@ -100,3 +100,9 @@ def choice_params(params: Any, index: int) -> Any:
     if index == 0 or getattr(params, "seed", None) is None:
         return params
     return dataclasses.replace(params, seed=params.seed + index)
+
+
+def best_candidates(candidates: list[Any], n: int) -> list[int]:
+    """The indices of the ``n`` of ``best_of`` candidates (anything with a ``mean_logprob``, the log-probability per
+    scored token, -inf for none) of the highest score, best first; ties: the lower index."""
+    return sorted(range(len(candidates)), key=lambda i: (-candidates[i].mean_logprob, i))[:n]

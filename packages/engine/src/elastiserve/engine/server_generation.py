@@ -30,7 +30,7 @@ from elastiserve.engine.protocol import ParsedRequest
 from elastiserve.engine.reasoning import ReasoningFormat, attach_reasoning
 from elastiserve.engine.request_fields import BadRequest
 from elastiserve.engine.request_run import RequestRun, prompt_text
-from elastiserve.engine.sampling import choice_params
+from elastiserve.engine.sampling import best_candidates, choice_params
 from elastiserve.engine.server_stream import stream_response
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("elastiserve_state")
@@ -168,11 +168,6 @@ def engine_ids(request_id: str, prompt_index: int, num_prompts: int, count: int)
     if num_prompts == 1:
         return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
     return [f"{request_id}-{prompt_index}-{i}" for i in range(count)]
-
-
-def best_candidates(runs: list[RequestRun], n: int) -> list[int]:
-    """The indices of the ``n`` runs of the highest mean log-probability per token, best first (ties: lower index)."""
-    return sorted(range(len(runs)), key=lambda i: (-runs[i].mean_logprob, i))[:n]
 
 
 async def gather_or_cancel(coroutines: Any) -> list[Any]:
