@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU host: one policy of the dense headline at full lengths and the full 20 GB KV pool
-# (Llama-3.1-8B shapes, 4096 prompt / 1024 output tokens), for when no two-GPU host is lent and the two policies run
-# in consecutive calls on the same warm machine. Defaults: POLICY=static-fp16, the ElasticKV paper's concurrency 38,
-# all 600 requests, cut at MAX_DURATION=500 s (session 6: 400 requests took 214 s / 243 s of serving plus ~50 s of
-# engine build and warm-up). ``T_BASE`` (seconds) passes one T_base; unset, the engine measures its own.
+# One device call on a one-GPU host: dense headline policies one after another (Llama-3.1-8B shapes, 4096 prompt /
+# 1024 output tokens and a 20 GB KV pool, times SCALE), for when no two-GPU host is lent. Defaults: POLICIES=static-
+# fp16, the ElasticKV paper's concurrency 38, all 600 requests, each policy cut at MAX_DURATION=500 s (session 6: 400
+# full-size requests took 214 s / 243 s of serving plus ~50 s of engine build and warm-up), the call at LIMIT=570 s.
+# Session 44's side-by-side table: POLICIES="combined dps elastickv static-fp16" SCALE=0.5 REQUESTS=400
+# MAX_DURATION=100. ``T_BASE`` (seconds) passes one T_base; unset, the first policy's engine measures it.
 source ci/gpu/bootstrap.sh
 set +e
 start_round
-POLICY=${POLICY:-static-fp16} CONCURRENCY=${CONCURRENCY:-38} REQUESTS=${REQUESTS:-600} MAX_DURATION=${MAX_DURATION:-500}
-(time timeout $((MAX_DURATION + 80)) python3 benchmarks/serving/headline.py --setting dense --requests $REQUESTS \
-  --concurrency $CONCURRENCY --max-duration $MAX_DURATION ${T_BASE:+--t-base $T_BASE} --policies $POLICY \
-  --no-progress --out $OUT/dense) > $OUT/dense-$POLICY.log 2>&1
-tail -6 $OUT/dense-$POLICY.log
+POLICIES=${POLICIES:-static-fp16} CONCURRENCY=${CONCURRENCY:-38} REQUESTS=${REQUESTS:-600}
+(time timeout ${LIMIT:-570} python3 benchmarks/serving/headline.py --setting dense --requests $REQUESTS \
+  --scale ${SCALE:-1.0} --concurrency $CONCURRENCY --max-duration ${MAX_DURATION:-500} ${T_BASE:+--t-base $T_BASE} \
+  --policies $POLICIES --no-progress --out $OUT/dense) > $OUT/dense.log 2>&1
+tail -12 $OUT/dense.log
+python3 benchmarks/serving/headline.py --setting dense --out $OUT/dense --summarize > $OUT/dense-table.txt 2>&1
+cat $OUT/dense-table.txt
