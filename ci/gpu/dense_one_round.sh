@@ -4,7 +4,8 @@
 # fp16, the ElasticKV paper's concurrency 38, all 600 requests, each policy cut at MAX_DURATION=500 s (session 6: 400
 # full-size requests took 214 s / 243 s of serving plus ~50 s of engine build and warm-up), the call at LIMIT=570 s.
 # Session 44's side-by-side table: POLICIES="combined dps elastickv static-fp16" SCALE=0.5 REQUESTS=400
-# MAX_DURATION=100, then the same at full size with REQUESTS=160. ``T_BASE`` (seconds) passes one T_base; unset, the first policy's engine measures it.
+# MAX_DURATION=100, then the same at full size with REQUESTS=160. ``T_BASE`` (seconds) passes one T_base; unset,
+# the first policy's engine measures it.
 source ci/gpu/bootstrap.sh
 set +e
 start_round

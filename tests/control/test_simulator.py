@@ -323,6 +323,8 @@ def test_cli_evicts_in_the_step_models_layer_granule():
     assert default == coarse and default != fine
     fp8_layer_time = {name: float(r[-3].rstrip("%")) for name, r in (("default", default), ("fine", fine))}
     assert fp8_layer_time["default"] < 0.6 * fp8_layer_time["fine"]  # 37.2 against 75.9 %
+    with pytest.raises(ConfigError, match="units_per_layer"):
+        main([*fixed, "--units-per-layer", "0"])  # refused, not read as "the default"
 
 
 def test_sim_pool_and_sum_state_agree_without_restores(bursty):

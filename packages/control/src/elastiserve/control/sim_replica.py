@@ -47,6 +47,8 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         if self.native_blocks < 1 or self.block_size < 1 or self.blocks_per_unit < 1:
             raise ConfigError("native_blocks, block_size and blocks_per_unit must be >= 1")
+        if self.units_per_layer < 1 or self.residual_layers < 0:
+            raise ConfigError("units_per_layer must be >= 1 and residual_layers >= 0")
         if self.native_blocks % self.blocks_per_unit:
             raise ConfigError("native_blocks must be a whole number of units")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:

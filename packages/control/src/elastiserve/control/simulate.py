@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> str:
     # The eviction granule must be the step model's model's. At 32 units a layer (the default before session 44) each
     # evicted layer freed a third of Llama-3.1-8B's 104 blocks, so combined evicted nearly every layer: 97 % FP8
     # layer-time where the engine, at 104, evicted half (48 %, dense half-scale run on an H100, session 44).
-    units_per_layer = args.units_per_layer or step_model.residual_units_per_layer
+    units_per_layer = step_model.residual_units_per_layer if args.units_per_layer is None else args.units_per_layer
     sim = SimConfig(
         replica=ReplicaConfig(native_blocks=args.native_blocks, units_per_layer=units_per_layer,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
