@@ -28,11 +28,9 @@ def _load(path: Path) -> dict:
 def wave_split(requests: list[dict], concurrency: int) -> dict[str, list[float]]:
     """TTFTs of finished requests: all, the first ``concurrency`` by arrival, and the rest."""
     ordered = sorted(requests, key=lambda r: r["arrival"])
-    first_ids = {id(r) for r in ordered[:concurrency]}
-    done = [r for r in ordered if r.get("ttft") is not None]
-    return {"all": [r["ttft"] for r in done],
-            "first wave": [r["ttft"] for r in done if id(r) in first_ids],
-            "rest": [r["ttft"] for r in done if id(r) not in first_ids]}
+    first = [r["ttft"] for r in ordered[:concurrency] if r.get("ttft") is not None]
+    rest = [r["ttft"] for r in ordered[concurrency:] if r.get("ttft") is not None]
+    return {"all": first + rest, "first wave": first, "rest": rest}
 
 
 def rows(runs: list[dict]) -> list[str]:

@@ -101,3 +101,7 @@ def test_bad_inputs_are_refused(device):
         exact_rows(x, picked, upper, lower, torch.zeros(3, device=device).half(), nesting)
     with pytest.raises(ValueError, match="nesting must be E4M3 or E5M2"):
         exact_rows(x, picked, upper, lower, None, Nesting.NONE)
+    with pytest.raises(ValueError, match="block_t must be a power of two, got 3"):
+        exact_rows(x, picked, upper, lower, None, nesting, block_t=3)
+    with pytest.raises(ValueError, match="block_k must be a power of two, got 0"):
+        exact_rows(x, picked, upper, lower, None, nesting, block_k=0)

@@ -22,7 +22,7 @@ from elastiserve.kernels import formats
 from elastiserve.kernels.formats import Nesting
 from elastiserve.kernels.launch import pdl_options, wait_for_prior_grid
 from elastiserve.kernels.weight_decode import decode_weight_tile
-from elastiserve.platforms import current_platform
+from elastiserve.platforms import ConfigError, current_platform
 
 BLOCK_K = 256
 BLOCK_T = 16
@@ -88,6 +88,9 @@ def exact_rows(x: torch.Tensor, picked: torch.Tensor, upper: torch.Tensor, lower
     ``block_t`` / ``block_k``: picked rows a program and its K tile (powers of two; defaults ``BLOCK_T`` /
     ``BLOCK_K``); another K tile sums in another order (one fp16 rounding apart at most)."""
     _check(x, picked, upper, lower, bias, nesting)
+    for name, tile in (("block_t", block_t), ("block_k", block_k)):  # tl.arange takes powers of two only
+        if tile is not None and (tile < 1 or tile & (tile - 1)):
+            raise ConfigError(f"exact_rows: {name} must be a power of two, got {tile}")
     unit_stride = x.stride(1) == 1 and picked.stride(1) == 1 and upper.stride(1) == 1 and lower.stride(1) == 1
     if not unit_stride or current_platform().kernel_backend == "reference":
         return exact_rows_reference(x, picked, upper, lower, bias, nesting, weight_exp)
