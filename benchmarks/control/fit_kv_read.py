@@ -15,9 +15,10 @@
    nearly collinear (1.40x then; 1.04x / 0.85x plus a 2.8 / 4.0 ms step constant at concurrency 38 / 64).
 3. The demotion cost per batch is the median residual of the steps that demoted less that of the quiet steps that
    read BASE pairs, after the model's bytes-based pack cost of the pairs demoted, per run, weighted by demoting steps.
-4. With ``--decode-run`` (a bench_decode.py JSON with static-fp16, nested full and fast steps side by side): the
-   nested weight reads, as the batch-1 step less host overhead and its KV read, and anchored to the
-   fitted plain fp16 intercept by the nested step's difference to the same run's static-fp16 step.
+4. With ``--decode-run`` (a bench_decode.py JSON with static-fp16, nested full and fast steps side by side, from the
+   same device): host overhead (the batch-1 step less its forward pass) and the nested weight reads, as the batch-1
+   step less host overhead and its KV read, and anchored to the fitted plain fp16 intercept less that host
+   overhead by the nested step's difference to the same run's static-fp16 step.
 
 A sample is one decode-only step when exactly one step separates it from the previous one, the running and waiting
 counts did not change and it took under 60 ms (no prefill chunk). Context comes from the pool's used blocks: a
@@ -174,7 +175,9 @@ def nested_weight_reads(decode_run: Path, result: KVReadFit) -> dict[str, float]
     nested = next(row for row in raw["fast_full"] if row["batch"] == 1)
     host = roofline["step_s"] - roofline["forward_only_s"]
     one_row = host + result.per_target_s * (roofline["context"] + 1)
-    plain = result.intercept_s - load_step_model().host_overhead_s
+    # The serving intercept is host overhead plus the plain fp16 weight read; the host part is this run's own
+    # (H200 run5 0.258 ms, H100 s43 0.345 ms: one device's figure does not carry to the other).
+    plain = result.intercept_s - host
     steps = {"unnested": roofline["step_s"], "full": nested["full_s"], "fast": nested["fast_s"]}
     out = {f"direct_{mode}_s": step - one_row for mode, step in steps.items()}
     out |= {f"weight_read_{mode}_s": plain + step - steps["unnested"] for mode, step in steps.items()}

@@ -176,7 +176,7 @@ def policy_settings(settings: dict[str, Any], policy: str, args: argparse.Namesp
     from elastiserve.engine.config import SWITCHING_POLICIES
 
     if args.queue_fast_after is not None and policy in SWITCHING_POLICIES:
-        return {**settings, "queue_fast_after_s": args.queue_fast_after}
+        return {**settings, "queue_fast_after_s": args.queue_fast_after, "queue_fast_hold_s": args.queue_fast_hold}
     return settings
 
 
@@ -316,6 +316,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--queue-fast-after", type=float, default=None,
                    help="seconds: dps and combined run every layer in FP8 while a request has waited this long for "
                         "its first token (EngineConfig.queue_fast_after_s)")
+    p.add_argument("--queue-fast-hold", type=float, default=None,
+                   help="seconds: with --queue-fast-after, stay fast this long after the last step that saw a waiting "
+                        "request (EngineConfig.queue_fast_hold_s; default 2)")
     p.add_argument("--no-gc-shadow", action="store_true",
                    help="automatic garbage collection (EngineConfig.gc_in_step_shadow=False), as before session 15")
     p.add_argument("--t-base", type=float, default=None, help="seconds; default: measured in this run (moe)")
@@ -336,6 +339,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.scale <= 0 or args.scale > 1:
         p.error("--scale must be in (0, 1]")
+    if args.queue_fast_hold is not None and args.queue_fast_after is None:
+        p.error("--queue-fast-hold needs --queue-fast-after")
     return args
 
 

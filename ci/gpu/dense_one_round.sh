@@ -5,14 +5,15 @@
 # full-size requests took 214 s / 243 s of serving plus ~50 s of engine build and warm-up), the call at LIMIT=570 s.
 # Session 44's side-by-side table: POLICIES="combined dps elastickv static-fp16" SCALE=0.5 REQUESTS=400
 # MAX_DURATION=100, then the same at full size with REQUESTS=160. ``T_BASE`` (seconds) passes one T_base; unset,
-# the first policy's engine measures it.
+# the first policy's engine measures it. ``EXTRA``: more headline.py arguments (``--queue-fast-after 0.1``: dps and
+# combined run every layer fast while a prompt waits, session 45's simulator plan).
 source ci/gpu/bootstrap.sh
 set +e
 start_round
 POLICIES=${POLICIES:-static-fp16} CONCURRENCY=${CONCURRENCY:-38} REQUESTS=${REQUESTS:-600}
 (time timeout ${LIMIT:-570} python3 benchmarks/serving/headline.py --setting dense --requests $REQUESTS \
   --scale ${SCALE:-1.0} --concurrency $CONCURRENCY --max-duration ${MAX_DURATION:-500} ${T_BASE:+--t-base $T_BASE} \
-  --policies $POLICIES --no-progress --out $OUT/dense) > $OUT/dense.log 2>&1
+  --policies $POLICIES --no-progress --out $OUT/dense ${EXTRA:-}) > $OUT/dense.log 2>&1
 tail -12 $OUT/dense.log
 python3 benchmarks/serving/headline.py --setting dense --out $OUT/dense --summarize > $OUT/dense-table.txt 2>&1
 cat $OUT/dense-table.txt

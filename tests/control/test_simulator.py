@@ -307,6 +307,7 @@ def test_cli_prints_one_table(capsys):
     table = main(["--trace", "azure-window", "--window", "0:150", "--presets", "static-fp16,combined"])
     out = capsys.readouterr().out
     assert table in out and len(table.splitlines()) == 3 and "combined" in table
+    assert "TTFT mean" in table.splitlines()[0]
 
 
 def test_cli_evicts_in_the_step_models_layer_granule():
@@ -325,6 +326,25 @@ def test_cli_evicts_in_the_step_models_layer_granule():
     assert fp8_layer_time["default"] < 0.6 * fp8_layer_time["fine"]  # 37.2 against 75.9 %
     with pytest.raises(ConfigError, match="units_per_layer"):
         main([*fixed, "--units-per-layer", "0"])  # refused, not read as "the default"
+
+
+def test_cli_takes_a_packaged_step_model_by_device_name(capsys):
+    """``--step-model h100`` loads the set fitted to the H100 serving runs; its prefill steps cost more (plain fp16
+    2.4e-5 s a token plus attention, where the H200 set has 2.0e-5 s from GEMM timings alone), so prompt-bound TTFT
+    rises."""
+    fixed = ["--fixed", "4096:16:24", "--max-concurrency", "8", "--native-blocks", "4000",
+             "--max-num-batched-tokens", "8192", "--presets", "static-fp16"]
+
+    def ttft_p50(extra: list[str]) -> float:
+        return float(main(fixed + extra).splitlines()[1].split()[3].rstrip("s"))
+
+    h200, h100 = ttft_p50([]), ttft_p50(["--step-model", "h100"])
+    assert "H100" in capsys.readouterr().out
+    assert h100 > 1.2 * h200
+    with pytest.raises(ConfigError, match="neither a file nor one of"):
+        main([*fixed, "--step-model", "a100"])
+    with pytest.raises(ConfigError, match="--queue-fast-hold needs --queue-fast-after"):
+        main([*fixed, "--queue-fast-hold", "0.25"])
 
 
 def test_sim_pool_and_sum_state_agree_without_restores(bursty):
@@ -366,6 +386,8 @@ def test_closed_loop_client_keeps_concurrency():
     for t in sorted({r.arrival for r in recs}):
         assert sum(r.arrival <= t < r.finish for r in recs) <= 3
     assert sorted(r.arrival for r in recs)[3] > 0 and all(r.finished for r in recs)
+    ttfts = [r.ttft for r in recs]
+    assert run.summary().ttft_mean == pytest.approx(sum(ttfts) / len(ttfts), rel=1e-12)
     with pytest.raises(ConfigError):
         SimConfig(max_concurrency=0)
 

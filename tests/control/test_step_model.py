@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from elastiserve.control.step_model import load_step_model, padded_batch
+from elastiserve.control.step_model import load_step_model, padded_batch, prefill_key_count
 from elastiserve.platforms import ConfigError
 
 pytestmark = [pytest.mark.cpu, pytest.mark.cuda]
@@ -107,3 +107,36 @@ def test_padding_rows_scale_the_kv_read_of_a_decode_only_step():
     for n, cap in ((5, 4), (-1, 8), (1, 0)):
         with pytest.raises(ConfigError):
             padded_batch(n, cap)
+
+
+def test_prefill_key_count_is_causal_over_the_cache_and_the_chunk():
+    assert prefill_key_count(0, 1) == 1  # the first token sees itself
+    assert prefill_key_count(0, 4) == 1 + 2 + 3 + 4
+    assert prefill_key_count(10, 3) == 11 + 12 + 13
+    assert prefill_key_count(7, 0) == 0
+    with pytest.raises(ConfigError):
+        prefill_key_count(-1, 4)
+
+
+def test_packaged_sets_load_by_device_name_and_unknown_names_fail():
+    h100, h200 = load_step_model("h100"), load_step_model("h200")
+    assert "H100" in h100.device and "H200" in h200.device
+    assert load_step_model() == h200  # the default set
+    assert h100.prefill_attention_per_key_s > 0 and h200.prefill_attention_per_key_s == 0.0  # H200 not fitted
+    with pytest.raises(ConfigError, match="neither a file nor one of"):
+        load_step_model("h300")
+
+
+def test_h100_set_reproduces_the_prefill_steps_it_was_fitted_to():
+    """Session 44's H100 runs at 4,096-token prompts, 8,192-token steps (benchmarks/control/results/
+    prefill-fit-h100-s45.txt): static-fp16 236.7 ms and dps, all layers fast, 166.4 ms measured medians. Two whole
+    prompts a step, about 1,500 blocks of context in use."""
+    sm = load_step_model("h100")
+    keys = 2 * prefill_key_count(0, 4096)
+    context = 1_500 * 16
+    plain = sm.step_time(8192, context, nested=False, prefill_keys=keys)
+    fast = sm.step_time(8192, context, fast_fraction=1.0, prefill_keys=keys)
+    assert plain == pytest.approx(0.2367, rel=0.05)
+    assert fast == pytest.approx(0.1664, rel=0.05)
+    no_attention = sm.step_time(8192, context, nested=False)
+    assert plain - no_attention == pytest.approx(sm.prefill_attention_per_key_s * keys, rel=1e-9)

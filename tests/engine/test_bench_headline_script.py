@@ -83,3 +83,15 @@ def test_moe_smoke(tmp_path, capsys):
     assert all(r["prompt_tokens"] <= 118 and r["output_tokens"] <= 10 for d in datas for run in d["runs"]
                for r in run["requests"])
     assert set(json.loads((tmp_path / "headline-moe.json").read_text())["capacity"]) == {"static-fp16", "elastickv"}
+
+
+def test_queue_fast_settings_reach_only_the_switching_policies():
+    headline = load_script()
+    args = headline.parse_args(["--setting", "dense", "--out", "x", "--queue-fast-after", "0.1",
+                                "--queue-fast-hold", "0.25"])
+    settings = {"device": "cpu"}
+    assert headline.policy_settings(settings, "combined", args) == {
+        "device": "cpu", "queue_fast_after_s": 0.1, "queue_fast_hold_s": 0.25}
+    assert headline.policy_settings(settings, "elastickv", args) == settings
+    with pytest.raises(SystemExit):  # a hold without the queue rule is refused, not dropped
+        headline.parse_args(["--setting", "dense", "--out", "x", "--queue-fast-hold", "0.25"])

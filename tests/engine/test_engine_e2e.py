@@ -285,6 +285,16 @@ def test_queue_fast_needs_a_policy_that_switches_precision():
         with pytest.raises(ConfigError, match="queue_fast_after_s"):
             EngineConfig(model="x", policy=policy, queue_fast_after_s=1.0)
     assert EngineConfig(model="x", policy="combined", queue_fast_after_s=1.0).queue_fast_after_s == 1.0
+    from elastiserve.engine.transitions import make_policy
+
+    held = make_policy(EngineConfig(model="x", policy="combined", queue_fast_after_s=0.1, queue_fast_hold_s=0.25))
+    assert (held.config.precision.queue_fast_s, held.config.precision.queue_fast_hold_s) == (0.1, 0.25)
+    default = make_policy(EngineConfig(model="x", policy="dps", queue_fast_after_s=0.1)).config.precision
+    assert default.queue_fast_hold_s == 2.0  # the control default
+    with pytest.raises(ConfigError, match="queue_fast_hold_s"):
+        EngineConfig(model="x", policy="dps", queue_fast_hold_s=0.5)  # a hold without the queue rule
+    with pytest.raises(ConfigError, match="queue_fast_hold_s"):
+        EngineConfig(model="x", policy="dps", queue_fast_after_s=1.0, queue_fast_hold_s=-1.0)
 
 
 @pytest.mark.cuda

@@ -184,6 +184,7 @@ class RunSummary:
     ttft_p50: float
     ttft_p90: float
     ttft_p99: float
+    ttft_mean: float
     tpot_mean: float
     tail_tbt_p90: float
     preemptions: int
@@ -204,6 +205,7 @@ class RunSummary:
             "eff@300": pct(self.eff300),
             "TTFT p50": f"{self.ttft_p50:.2f}s",
             "TTFT p90": f"{self.ttft_p90:.2f}s",
+            "TTFT mean": f"{self.ttft_mean:.2f}s",
             "TPOT": f"{1000 * self.tpot_mean:.1f}ms",
             "preempt": str(self.preemptions),
             "BASE exp": pct(self.base_exposure),

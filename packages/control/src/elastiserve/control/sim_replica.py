@@ -27,7 +27,7 @@ from elastiserve.control.precision import layers_to_run_fast
 from elastiserve.control.sim_recovery import TransferRecovery
 from elastiserve.control.sim_sequence import SimSequence
 from elastiserve.control.step_budget import StepBudget, StepBudgetConfig, probe_token_counts
-from elastiserve.control.step_model import StepModel, padded_batch
+from elastiserve.control.step_model import StepModel, padded_batch, prefill_key_count
 from elastiserve.control.workloads import Request
 from elastiserve.platforms import ConfigError
 
@@ -99,7 +99,8 @@ class Replica(TransferRecovery):
         num_layers = self.pool.num_layers
         for layers in (0, num_layers) if self.allow_backed else (0,):
             fast = layers / max(1, num_layers)
-            self.step_budget.prime(layers, [(t, self.sm.step_time(t, t, fast_fraction=fast, nested=self.allow_backed))
+            self.step_budget.prime(layers, [(t, self.sm.step_time(t, t, fast_fraction=fast, nested=self.allow_backed,
+                                                                  prefill_keys=prefill_key_count(0, t)))
                                             for t in probe_token_counts(self.rc.max_num_batched_tokens)])
 
     # ---- intake ---------------------------------------------------------------------------------------------
@@ -346,6 +347,7 @@ class Replica(TransferRecovery):
         bs = self.rc.block_size
         batch = decodes + [s for s, _ in prefills]
         prefill_tokens = sum(c for _, c in prefills)
+        prefill_keys = sum(prefill_key_count(s.computed, c) for s, c in prefills)
         context = prefill_tokens + len(decodes)
         base_ctx = base_read = pairs_read = 0
         step = self.step
@@ -379,7 +381,8 @@ class Replica(TransferRecovery):
         # A decode-only step replays the CUDA graph of its padded batch; one with a prefill chunk runs eagerly.
         rows = 0 if prefills else padded_batch(len(decodes), self.rc.max_num_seqs)
         dt = upload_wait + self.sm.step_time(tokens, context, base_ctx, fast, demoted, unpacked,
-                                             nested=self.control.uses_eviction, padded_rows=rows)
+                                             nested=self.control.uses_eviction, padded_rows=rows,
+                                             prefill_keys=prefill_keys)
         if self.step_budget is not None and prefills:
             self.step_budget.record(fast_layers, tokens, dt - upload_wait)
         self.exposure.add(dt, base_read, pairs_read)

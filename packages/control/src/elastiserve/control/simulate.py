@@ -22,7 +22,7 @@ from elastiserve.control.config import F_POST_RULES, PRESETS, ControlConfig, pre
 from elastiserve.control.metrics import format_table
 from elastiserve.control.sim_replica import ReplicaConfig
 from elastiserve.control.simulator import SimConfig, simulate
-from elastiserve.control.step_model import load_step_model
+from elastiserve.control.step_model import PACKAGED_STEP_MODELS, load_step_model
 from elastiserve.control.workloads import Request, load_trace
 from elastiserve.platforms import ConfigError
 
@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds: cap prefill chunks per precision mode to keep steps under it (step_budget.py)")
     p.add_argument("--queue-fast-after", type=float, default=None,
                    help="seconds: also run each preset that evicts with PrecisionConfig.queue_fast_s (name+queue)")
-    p.add_argument("--step-model", type=Path, default=None, help="step-time JSON (default: packaged placeholder)")
+    p.add_argument("--queue-fast-hold", type=float, default=None,
+                   help="seconds: PrecisionConfig.queue_fast_hold_s of the +queue presets (default 2)")
+    p.add_argument("--step-model", default=None,
+                   help=f"step-time coefficients: one of {sorted(PACKAGED_STEP_MODELS)} or a JSON file (default: h200)")
     p.add_argument("--trace-dir", type=Path, default=None)
     return p
 
@@ -111,8 +114,11 @@ def main(argv: list[str] | None = None) -> str:
     configs = [with_f_post(c, args.f_post) for c in configs]
     if args.engine_admission:
         configs = [c.with_engine_admission() for c in configs]
+    if args.queue_fast_hold is not None and args.queue_fast_after is None:
+        raise ConfigError("--queue-fast-hold needs --queue-fast-after")
     if args.queue_fast_after is not None:
-        configs += [replace(c.with_precision(queue_fast_s=args.queue_fast_after), name=f"{c.name}+queue")
+        hold = {} if args.queue_fast_hold is None else {"queue_fast_hold_s": args.queue_fast_hold}
+        configs += [replace(c.with_precision(queue_fast_s=args.queue_fast_after, **hold), name=f"{c.name}+queue")
                     for c in configs if "evict" in c.arbiter.mechanisms]
     step_model = load_step_model(args.step_model)
     # The eviction granule must be the step model's model's. At 32 units a layer (the default before session 44) each

@@ -89,6 +89,7 @@ class SimResult:
             ttft_p50=percentile(ttfts, 50),
             ttft_p90=percentile(ttfts, 90),
             ttft_p99=percentile(ttfts, 99),
+            ttft_mean=mean(ttfts),
             tpot_mean=mean([r.tpot for r in recs if len(r.token_times) > 1]),
             tail_tbt_p90=percentile([r.tail_tbt for r in recs], 90),
             preemptions=sum(c.get("preempt", 0) for c in counts),

@@ -1,6 +1,7 @@
 """Step-time model for the simulator: time of one forward pass from batch shape and precision mode.
 
     t = host_overhead + max(weight read, batch_tokens x compute per token)
+        + prefill attention per key x keys the prefill tokens attend to
         + context KV read x (1 + padded_row_kv_fraction x padding rows / sequences)
         + base_step (a batch that reads any BASE pair)
         + demotion kernel (launch/metadata + bytes / kernel bandwidth) + unpack of landed promotions (same form)
@@ -34,7 +35,9 @@ from pathlib import Path
 
 from elastiserve.platforms import ConfigError
 
-DEFAULT_STEP_MODEL = "step_model_h200_llama31_8b.json"
+# Packaged coefficient sets by device, Llama-3.1-8B shapes (data/README.md says where each number came from).
+PACKAGED_STEP_MODELS = {"h200": "step_model_h200_llama31_8b.json", "h100": "step_model_h100_llama31_8b.json"}
+DEFAULT_STEP_MODEL = PACKAGED_STEP_MODELS["h200"]
 # A BASE token reads half the bytes of a TARGET one, but the engine's mixed-fidelity decode paths can cost more per
 # token than its native path (session 6's pooled fit said 1.40x; with a per-step BASE constant the H200 runs give
 # 0.17-1.04x, see the JSON's provenance), so the fraction may exceed 1.
@@ -43,7 +46,8 @@ GRAPH_SIZES_BELOW_16 = (1, 2, 4, 8)  # then multiples of 16 (elastiserve.engine.
 TRANSITION_BLOCKS_MOVED = 4  # HBM bytes of one pack or unpack, in blocks (ARCHITECTURE.md, KV fidelity)
 OPTIONAL_KEYS = {"residual_units_per_layer", "device", "commit", "provenance", "promote_batch_s", "block_bytes",
                  "h2d_bytes_per_s", "transition_kernel_bytes_per_s", "weight_read_unnested_s",
-                 "compute_per_token_unnested_s", "base_step_s", "padded_row_kv_fraction"}
+                 "compute_per_token_unnested_s", "base_step_s", "padded_row_kv_fraction",
+                 "prefill_attention_per_key_s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,7 @@ class StepModel:
     restore_per_unit_s: float
     base_step_s: float = 0.0  # once per step whose batch reads any BASE pair
     padded_row_kv_fraction: float = 0.0  # of the mean sequence's KV read, per CUDA-graph padding row; 0: none
+    prefill_attention_per_key_s: float = 0.0  # per (prefill token, key it attends to) pair; 0: not fitted
     promote_batch_s: float = 0.0005
     block_bytes: int = 2 * 1024 * 1024
     h2d_bytes_per_s: float = 55e9
@@ -107,10 +112,12 @@ class StepModel:
         unpacked_pairs: int = 0,
         nested: bool = True,
         padded_rows: int = 0,
+        prefill_keys: int = 0,
     ) -> float:
         """Seconds for one step. ``fast_fraction`` is the fraction of decoder layers in fast (FP8) mode;
         ``nested=False`` is a policy that keeps plain fp16 weights (it never has fast layers); ``padded_rows`` is the
-        CUDA-graph batch of a decode-only step of ``batch_tokens`` sequences (``padded_batch``; 0: no graph)."""
+        CUDA-graph batch of a decode-only step of ``batch_tokens`` sequences (``padded_batch``; 0: no graph);
+        ``prefill_keys`` sums, over the step's prefill tokens, the keys each attends to (``prefill_key_count``)."""
         if padded_rows and padded_rows < batch_tokens:
             raise ConfigError(f"a graph of {padded_rows} rows cannot hold {batch_tokens} sequences")
         if batch_tokens <= 0:
@@ -131,12 +138,21 @@ class StepModel:
         kv += self.base_step_s if base_context_tokens > 0 else 0.0
         demotion = (self.demote_batch_s + self.demote_per_pair_s * demoted_pairs) if demoted_pairs else 0.0
         unpack = (self.promote_batch_s + self.unpack_per_pair_s * unpacked_pairs) if unpacked_pairs else 0.0
-        return self.host_overhead_s + max(weights, compute) + kv + demotion + unpack
+        attention = self.prefill_attention_per_key_s * prefill_keys
+        return self.host_overhead_s + max(weights, compute) + attention + kv + demotion + unpack
 
     def base_tpot(self, context_tokens: int = 1024) -> float:
         """T_base of the DPS SLO: an unloaded single-request decode step of the plain fp16 baseline, one value for
         every policy of a comparison."""
         return self.step_time(1, context_tokens, nested=False, padded_rows=1)
+
+
+def prefill_key_count(computed: int, chunk: int) -> int:
+    """Keys attended to by a causal prefill chunk of ``chunk`` tokens after ``computed`` cached ones: token i of the
+    chunk sees the cache and itself and the i tokens before it."""
+    if computed < 0 or chunk < 0:
+        raise ConfigError(f"need computed >= 0 and chunk >= 0, got {computed}, {chunk}")
+    return chunk * computed + chunk * (chunk + 1) // 2
 
 
 def padded_batch(num_seqs: int, max_num_seqs: int) -> int:
@@ -150,12 +166,17 @@ def padded_batch(num_seqs: int, max_num_seqs: int) -> int:
     return min(size, max_num_seqs)
 
 
-def load_step_model(path: Path | None = None) -> StepModel:
-    """Load coefficients from ``path`` or the packaged default; unknown keys are ignored."""
-    if path is None:
-        text = (resources.files("elastiserve.control") / "data" / DEFAULT_STEP_MODEL).read_text()
+def load_step_model(source: Path | str | None = None) -> StepModel:
+    """Load coefficients from a packaged set (``source`` a key of ``PACKAGED_STEP_MODELS``, None: the H200's) or a
+    JSON file; unknown keys are ignored."""
+    if source is None or str(source) in PACKAGED_STEP_MODELS:
+        name = PACKAGED_STEP_MODELS[str(source)] if source is not None else DEFAULT_STEP_MODEL
+        text = (resources.files("elastiserve.control") / "data" / name).read_text()
     else:
-        text = Path(path).read_text()
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"step model {str(source)!r} is neither a file nor one of {sorted(PACKAGED_STEP_MODELS)}")
+        text = path.read_text()
     raw = json.loads(text)
     known = {f.name for f in fields(StepModel)}
     missing = known - set(raw) - OPTIONAL_KEYS

@@ -43,6 +43,10 @@ class EngineConfig:
     # dps / combined: run every layer in FP8 (residuals kept resident, so going back costs nothing) while a request
     # has waited this long for its first token (control PrecisionConfig.queue_fast_s); None: memory alone decides.
     queue_fast_after_s: float | None = None
+    # ... and for this long after the last step that saw such a request (None: the control default, 2 s). The
+    # simulator at the H100-fitted step model, dense half scale, concurrency 38: combined at 0.1 s with a 0.25 s hold
+    # ran 57 % FP8 layer-time against 70 % at 2 s, at the same P90 TTFT (BENCHMARKS.md, session 45).
+    queue_fast_hold_s: float | None = None
     # Nested policies: nest lm_head too, so that it reads its upper plane only while the last decoder layer runs fast
     # (per-layer eviction reaches that layer last: every layer is fast by then). Its lower plane is part of the last
     # layer's residual: evicted into KV and restored with it. Off by default, as serving systems keep lm_head 16-bit
@@ -94,6 +98,8 @@ class EngineConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: expected at least 1")
         if self.sink_pairs < 0 or self.recent_pairs < 0:
             raise ConfigError("sink_pairs and recent_pairs must be >= 0")
+        if self.queue_fast_hold_s is not None and (self.queue_fast_hold_s < 0 or self.queue_fast_after_s is None):
+            raise ConfigError(f"queue_fast_hold_s={self.queue_fast_hold_s}: expected >= 0, with queue_fast_after_s set")
         if self.queue_fast_after_s is not None and self.policy not in SWITCHING_POLICIES:
             raise ConfigError(f"queue_fast_after_s needs a policy that can switch precision {SWITCHING_POLICIES}, "
                               f"not {self.policy!r}")

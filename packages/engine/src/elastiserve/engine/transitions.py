@@ -182,5 +182,6 @@ def make_policy(config: EngineConfig):
     # base-floor admission: packages/control/README.md, "Demand and admissions".
     control = preset(config.policy).with_engine_admission()
     if config.queue_fast_after_s is not None:
-        control = control.with_precision(queue_fast_s=config.queue_fast_after_s)
+        hold = {} if config.queue_fast_hold_s is None else {"queue_fast_hold_s": config.queue_fast_hold_s}
+        control = control.with_precision(queue_fast_s=config.queue_fast_after_s, **hold)
     return Arbiter(control, a_max)
