@@ -29,7 +29,7 @@ import numpy as np
 
 from elastiserve.control.step_model import load_step_model
 
-NESTED_POLICIES = {"dps", "combined"}  # the policies that run nested weights (the rest keep plain fp16)
+NESTED_POLICIES = {"static-fp8", "dps", "combined"}  # engine config.NESTED_POLICIES (the rest keep plain fp16)
 COEFFICIENTS = ("compute_per_token_unnested_s", "compute_per_token_full_s", "compute_per_token_fast_s",
                 "prefill_attention_per_key_s")
 

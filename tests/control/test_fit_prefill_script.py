@@ -1,7 +1,8 @@
 """``benchmarks/control/fit_prefill.py`` on synthetic runs whose prefill steps follow known coefficients: at two
 prompt lengths (the attention term is told apart from the per-token ones only there), plain fp16, nested full,
-mixed and all-fast steps, the fit recovers the four coefficients; decode steps (under ``min_tokens``) are left out,
-and a trace workload, whose prompt lengths the timeline does not carry, is refused."""
+mixed and all-fast steps (static-fp8's are nested, all fast), the fit recovers the four coefficients; decode steps
+(under ``min_tokens``) are left out, and a trace workload, whose prompt lengths the timeline does not carry, is
+refused."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def synthetic_run(path: Path, policy: str, prompt_len: int, kind: str = "fixed")
     timeline = []
     for step in range(120):
         used = rng.randint(500, 9_000)
-        fast_layers = 0 if policy not in ("dps", "combined") else [0, LAYERS // 2, LAYERS][step % 3]
+        fast_layers = {"dps": [0, LAYERS // 2, LAYERS][step % 3], "combined": [0, LAYERS // 2, LAYERS][step % 3],
+                       "static-fp8": LAYERS}.get(policy, 0)
         tokens = rng.choice([38, 2048, 4096, 8192])  # 38: a decode-only step, left out
         f = fast_layers / LAYERS
         per_token = UNNESTED if policy in ("static-fp16", "elastickv") else (1 - f) * FULL + f * FAST
@@ -53,7 +55,7 @@ def synthetic_run(path: Path, policy: str, prompt_len: int, kind: str = "fixed")
 
 
 def test_fit_recovers_the_coefficients_it_was_built_from(tmp_path):
-    for prompt_len, policies in ((4096, ("static-fp16", "dps")), (2048, ("elastickv", "combined"))):
+    for prompt_len, policies in ((4096, ("static-fp16", "dps", "static-fp8")), (2048, ("elastickv", "combined"))):
         for policy in policies:
             synthetic_run(tmp_path / str(prompt_len), policy, prompt_len)
     script = load_script()
