@@ -93,19 +93,29 @@ def free_device_memory() -> None:
     torch.cuda.empty_cache()
 
 
+QUEUE_SETTLE_STEPS = 400  # most decode steps T_base waits for the queue rule's hold to end
+
+
 def p99_decode_step(engine, batch: int, context: int, steps: int = 64) -> dict[str, Any]:
     """Wall time of ``steps`` engine steps of a steady decode batch (``batch`` requests of ``context`` tokens)."""
     from elastiserve.engine.sampling import SamplingParams
 
     rng = random.Random(4096)
-    context = min(context, engine.max_model_len - steps - 8)  # a short max_model_len still fits every measured step
-    max_tokens = steps + 8
+    # With --queue-fast-after the prompts' wait turns every layer fast, and the rule holds it for queue_fast_hold_s
+    # (2 s by default, ~140 decode steps at 14 ms): T_base is measured after it lets go, on full-precision steps.
+    settle = QUEUE_SETTLE_STEPS if engine.config.queue_fast_after_s is not None else 0
+    context = min(context, engine.max_model_len - steps - settle - 8)  # a short max_model_len fits every step
+    max_tokens = steps + settle + 8
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"tbase-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(1, engine.vocab_size) for _ in range(context)], params)
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()
+    settled = 0
+    while engine.transitions.queue_fast and settled < settle:
+        engine.step()
+        settled += 1
     preempted = engine.scheduler.num_preemptions
     fast_layers = set()
     samples = []
@@ -119,7 +129,7 @@ def p99_decode_step(engine, batch: int, context: int, steps: int = 64) -> dict[s
     samples.sort()
     p99 = samples[min(len(samples) - 1, round(0.99 * (len(samples) - 1)))]
     return {"p99_s": p99, "median_s": statistics.median(samples), "steps": len(samples), "batch": batch,
-            "context": context, "preemptions": engine.scheduler.num_preemptions - preempted,
+            "context": context, "settle_steps": settled, "preemptions": engine.scheduler.num_preemptions - preempted,
             "layers_in_fast_mode": len(fast_layers)}  # 0: every measured step ran in full precision
 
 

@@ -95,3 +95,43 @@ def test_queue_fast_settings_reach_only_the_switching_policies():
     assert headline.policy_settings(settings, "elastickv", args) == settings
     with pytest.raises(SystemExit):  # a hold without the queue rule is refused, not dropped
         headline.parse_args(["--setting", "dense", "--out", "x", "--queue-fast-hold", "0.25"])
+
+
+class _QueueRuleEngine:
+    """Just what ``p99_decode_step`` touches: prompts prefill in one step, then the queue rule's hold keeps every
+    layer fast for ``hold_steps`` more steps, as EngineConfig.queue_fast_hold_s does."""
+
+    def __init__(self, hold_steps: int, queue_rule: bool = True):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(queue_fast_after_s=0.1 if queue_rule else None)
+        self.scheduler = SimpleNamespace(waiting=[], running=[], num_preemptions=0)
+        self.transitions = SimpleNamespace(queue_fast=False)
+        self.runner = SimpleNamespace(fast_layers=frozenset())
+        self.max_model_len, self.vocab_size, self.hold_steps, self.max_tokens = 8192, 256, hold_steps, None
+
+    def add_request(self, rid, prompt, params):
+        self.scheduler.waiting.append(rid)
+        self.max_tokens = params.max_tokens
+
+    def step(self):
+        if self.scheduler.waiting:  # the prefill step: prompts waited, the rule turns on
+            self.scheduler.waiting.clear()
+            self.transitions.queue_fast = self.config.queue_fast_after_s is not None
+        elif self.transitions.queue_fast:
+            self.hold_steps -= 1
+            self.transitions.queue_fast = self.hold_steps > 0
+        self.runner.fast_layers = frozenset(range(2)) if self.transitions.queue_fast else frozenset()
+
+    def abort_request(self, rid):
+        pass
+
+
+def test_t_base_waits_for_the_queue_rule_to_let_go():
+    """With --queue-fast-after, the T_base prompts' own wait turns every layer fast; the measurement steps through
+    the hold first, so T_base is a full-precision step."""
+    headline = load_script()
+    held = headline.p99_decode_step(_QueueRuleEngine(hold_steps=30), batch=4, context=128, steps=16)
+    assert held["settle_steps"] == 30 and held["layers_in_fast_mode"] == 0 and held["steps"] == 16
+    plain = headline.p99_decode_step(_QueueRuleEngine(hold_steps=30, queue_rule=False), batch=4, context=128, steps=16)
+    assert plain["settle_steps"] == 0 and plain["layers_in_fast_mode"] == 0
