@@ -124,3 +124,21 @@ def test_padding_to_a_larger_graph_is_not_charged_to_base(tmp_path):
     y = np.array([s.seconds for s in ref])
     line, *_ = np.linalg.lstsq(x, y, rcond=None)
     assert np.sqrt(np.mean((x @ line - y) ** 2)) > 1.5 * result.target_rms_s  # 0.59 vs 0.32 ms here
+
+
+def test_nested_weight_reads_take_host_overhead_from_their_own_decode_run(tmp_path):
+    """The plain fp16 read is the serving intercept less the decode run's host overhead (its batch-1 step less its
+    forward pass), not another device's figure; the nested reads differ from it by their steps' difference."""
+    script = load_script()
+    fit = script.KVReadFit(intercept_s=0.0066, padded_row_kv_fraction=0.4, per_target_s=4e-8, base_read_fraction=0.3,
+                           base_step_s=0.003, target_rms_s=0.0, base_rms_s=0.0, demote_batch_s=None, lines=[])
+    run = {"roofline": {"step_s": 0.0054, "forward_only_s": 0.0050, "context": 512},
+           "fast_full": [{"batch": 1, "full_s": 0.0055, "fast_s": 0.0033}]}
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(run))
+    reads = script.nested_weight_reads(path, fit)
+    assert reads["host_s"] == pytest.approx(0.0004)
+    assert reads["weight_read_unnested_s"] == pytest.approx(0.0062)
+    assert reads["weight_read_full_s"] == pytest.approx(0.0063)
+    assert reads["weight_read_fast_s"] == pytest.approx(0.0041)
+    assert reads["direct_fast_s"] == pytest.approx(0.0033 - 0.0004 - 4e-8 * 513)
