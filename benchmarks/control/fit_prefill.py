@@ -15,6 +15,9 @@ closed loop carry one token per sequence).
 
     python benchmarks/control/fit_prefill.py benchmarks/serving/results/dense-one-gpu-s44/full-160 \
         benchmarks/serving/results/dense-one-gpu-s44/half-scale-400 --step-model h100
+
+``--write FILE`` puts the four fitted values into a step-model JSON (rounded to four digits, as the packaged sets
+hold them).
 """
 
 from __future__ import annotations
@@ -93,14 +96,29 @@ def fit(runs: list[Path], step_model: str | None, min_tokens: int = 1024) -> tup
     return dict(zip(COEFFICIENTS, map(float, coef))), lines
 
 
+def write_coefficients(path: Path, coefficients: dict[str, float]) -> None:
+    """Replace the prefill coefficients of the step-model JSON at ``path``, every other key as it was; the result
+    must still load as a step model."""
+    raw = json.loads(path.read_text())
+    raw.update({name: float(f"{value:.4g}") for name, value in coefficients.items()})
+    path.write_text(json.dumps(raw, indent=2) + "\n")
+    load_step_model(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="headline result folders of fixed-length workloads")
     parser.add_argument("--step-model", default=None, help="packaged name or JSON for host overhead and KV read")
     parser.add_argument("--min-tokens", type=int, default=1024)
+    parser.add_argument("--write", type=Path, default=None,
+                        help="a step-model JSON whose four prefill coefficients to replace with the fitted ones (its "
+                             "provenance is left for you to update)")
     args = parser.parse_args()
-    _, lines = fit(args.runs, args.step_model, args.min_tokens)
+    coefficients, lines = fit(args.runs, args.step_model, args.min_tokens)
     print("\n".join(lines))
+    if args.write:
+        write_coefficients(args.write, coefficients)
+        print(f"wrote {', '.join(COEFFICIENTS)} into {args.write}")
 
 
 if __name__ == "__main__":

@@ -74,3 +74,18 @@ def test_a_trace_workload_is_refused(tmp_path):
     synthetic_run(tmp_path / "run", "dps", 2048, kind="trace")
     with pytest.raises(SystemExit, match="fixed prompt length"):
         load_script().fit([tmp_path / "run"], "h100")
+
+
+def test_the_packaged_h100_prefill_coefficients_come_from_the_recorded_runs(tmp_path):
+    """Refitting session 44's recorded H100 runs and writing the result into a copy of the packaged H100 set leaves
+    it as shipped: the JSON's prefill numbers are this script's output."""
+    from importlib import resources
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "serving" / "results" / "dense-one-gpu-s44"
+    packaged = (resources.files("elastiserve.control") / "data" / "step_model_h100_llama31_8b.json").read_text()
+    copy = tmp_path / "h100.json"
+    copy.write_text(packaged)
+    script = load_script()
+    coefficients, _ = script.fit([results / "full-160", results / "half-scale-400"], "h100")
+    script.write_coefficients(copy, coefficients)
+    assert json.loads(copy.read_text()) == json.loads(packaged)
