@@ -61,11 +61,16 @@ class Step(NamedTuple):
     graph_batch: int  # the CUDA-graph batch the step padded to
 
 
-def decode_steps(run_dir: Path, block_size: int = 16):
-    """Every decode-only step in the run's per-policy JSON files (``dense-*.json.gz`` or ``.json``)."""
+def policy_results(run_dir: Path):
+    """(path, result) of each per-policy JSON file of a dense headline run (``dense-*.json.gz`` or ``.json``)."""
     for path in sorted([*run_dir.glob("dense-*.json.gz"), *run_dir.glob("dense-*.json")]):
         with (gzip.open(path) if path.suffix == ".gz" else path.open()) as f:
-            result = json.load(f)
+            yield path, json.load(f)
+
+
+def decode_steps(run_dir: Path, block_size: int = 16):
+    """Every decode-only step in the run's per-policy JSON files."""
+    for _, result in policy_results(run_dir):
         engine = result.get("metadata", {}).get("settings", {}).get("engine", {})
         max_num_seqs = engine.get("max_num_seqs", ENGINE_MAX_NUM_SEQS)
         for run in result["runs"]:

@@ -23,12 +23,12 @@ hold them).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from fit_kv_read import policy_results  # beside this script: the same per-policy result files
 
 from elastiserve.control.step_model import load_step_model
 
@@ -48,9 +48,7 @@ class PrefillStep(NamedTuple):
 
 def prefill_steps(run_dir: Path, min_tokens: int = 1024, block_size: int = 16):
     """Every step of at least ``min_tokens`` tokens in a run's per-policy JSON files of a fixed-length workload."""
-    for path in sorted([*run_dir.glob("dense-*.json.gz"), *run_dir.glob("dense-*.json")]):
-        with (gzip.open(path) if path.suffix == ".gz" else path.open()) as f:
-            result = json.load(f)
+    for path, result in policy_results(run_dir):
         workload = result["metadata"]["settings"]["plan"]["workload"]
         if workload.get("kind") != "fixed":
             raise SystemExit(f"{path}: the key count needs a fixed prompt length, the workload is {workload['kind']}")

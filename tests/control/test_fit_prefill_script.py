@@ -24,10 +24,14 @@ TOTAL_BLOCKS, LAYERS = 9_536, 32
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("fit_prefill", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(SCRIPT.parent))  # it reads the result files with fit_kv_read.py's reader, beside it
+    try:
+        spec = importlib.util.spec_from_file_location("fit_prefill", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
     return module
 
 

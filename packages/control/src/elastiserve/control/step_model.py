@@ -169,9 +169,9 @@ def padded_batch(num_seqs: int, max_num_seqs: int) -> int:
 def load_step_model(source: Path | str | None = None) -> StepModel:
     """Load coefficients from a packaged set (``source`` a key of ``PACKAGED_STEP_MODELS``, None: the H200's) or a
     JSON file; unknown keys are ignored."""
-    if source is None or str(source) in PACKAGED_STEP_MODELS:
-        name = PACKAGED_STEP_MODELS[str(source)] if source is not None else DEFAULT_STEP_MODEL
-        text = (resources.files("elastiserve.control") / "data" / name).read_text()
+    packaged = DEFAULT_STEP_MODEL if source is None else PACKAGED_STEP_MODELS.get(str(source))
+    if packaged:
+        text = (resources.files("elastiserve.control") / "data" / packaged).read_text()
     else:
         path = Path(source)
         if not path.is_file():
