@@ -256,7 +256,9 @@ def summary_rows(outputs: list[dict[str, Any]]) -> list[dict[str, str]]:
                          "FP8 time": sec(s["time_fast_s"]),
                          "FP8 layer-time": sec(s.get("fp8_layer_time_s")),
                          "tok/s": f"{s['output_tokens_per_s'] or 0:.0f}",
-                         "wall": sec(s["duration_s"]), "capacity": f"{out['capacity'].get(run['policy'], 0) or 0:g}"})
+                         "wall": sec(s["duration_s"]),
+                         # capacity is a rate sweep's figure: a closed-loop (concurrency) point has none
+                         "capacity": "-" if run["rate"] is None else f"{out['capacity'].get(run['policy'], 0) or 0:g}"})
     return rows
 
 

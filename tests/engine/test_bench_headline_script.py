@@ -61,6 +61,7 @@ def test_dense_smoke(tmp_path, capsys):
     head = json.loads((tmp_path / "headline-dense.json").read_text())
     assert head["config"]["input_len"] == 41 and head["config"]["output_len"] == 10 and head["reductions"]
     assert len(result["table"].splitlines()) == 1 + 2 * 2  # header + (policy x concurrency)
+    assert {row["capacity"] for row in headline.summary_rows(datas)} == {"-"}  # a closed loop has no capacity
     again = headline.main(["--setting", "dense", "--out", str(tmp_path), "--summarize"])
     assert sorted(again["table"].splitlines()) == sorted(result["table"].splitlines())
     # a policy cut before its JSON (a GPU call's time limit) keeps its finished points in the table
@@ -83,6 +84,8 @@ def test_moe_smoke(tmp_path, capsys):
     assert all(r["prompt_tokens"] <= 118 and r["output_tokens"] <= 10 for d in datas for run in d["runs"]
                for r in run["requests"])
     assert set(json.loads((tmp_path / "headline-moe.json").read_text())["capacity"]) == {"static-fp16", "elastickv"}
+    assert [row["capacity"] for row in headline.summary_rows(datas)] == [
+        f"{d['capacity'][d['runs'][0]['policy']]:g}" for d in datas for _ in d["runs"]]
 
 
 def test_queue_fast_settings_reach_only_the_switching_policies():
