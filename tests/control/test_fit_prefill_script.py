@@ -81,15 +81,17 @@ def test_a_trace_workload_is_refused(tmp_path):
 
 
 def test_the_packaged_h100_prefill_coefficients_come_from_the_recorded_runs(tmp_path):
-    """Refitting session 44's recorded H100 runs and writing the result into a copy of the packaged H100 set leaves
-    it as shipped: the JSON's prefill numbers are this script's output."""
+    """Refitting sessions 44 and 46's recorded H100 runs and writing the result into a copy of the packaged H100 set
+    leaves it as shipped: the JSON's prefill numbers are this script's output."""
     from importlib import resources
 
-    results = Path(__file__).resolve().parents[2] / "benchmarks" / "serving" / "results" / "dense-one-gpu-s44"
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "serving" / "results"
     packaged = (resources.files("elastiserve.control") / "data" / "step_model_h100_llama31_8b.json").read_text()
     copy = tmp_path / "h100.json"
     copy.write_text(packaged)
     script = load_script()
-    coefficients, _ = script.fit([results / "full-160", results / "half-scale-400"], "h100")
+    runs = ["dense-one-gpu-s44/full-160", "dense-one-gpu-s44/half-scale-400", "dense-one-gpu-s46/full-conc56-600",
+            "dense-one-gpu-s46/half-conc64-300"]
+    coefficients, _ = script.fit([results / run for run in runs], "h100")
     script.write_coefficients(copy, coefficients)
     assert json.loads(copy.read_text()) == json.loads(packaged)
