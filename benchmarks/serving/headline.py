@@ -182,11 +182,16 @@ def engine_settings(cfg: Setting, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def policy_settings(settings: dict[str, Any], policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``settings`` plus what only some policies take: ``--queue-fast-after`` for the ones that switch precision."""
+    """``settings`` plus what only some policies take: ``--queue-fast-after`` and ``--prefill-fast`` for the ones
+    that switch precision."""
     from elastiserve.engine.config import SWITCHING_POLICIES
 
-    if args.queue_fast_after is not None and policy in SWITCHING_POLICIES:
-        return {**settings, "queue_fast_after_s": args.queue_fast_after, "queue_fast_hold_s": args.queue_fast_hold}
+    if policy not in SWITCHING_POLICIES:
+        return settings
+    if args.queue_fast_after is not None:
+        settings = {**settings, "queue_fast_after_s": args.queue_fast_after, "queue_fast_hold_s": args.queue_fast_hold}
+    if args.prefill_fast:
+        settings = {**settings, "prefill_fast": True}
     return settings
 
 
@@ -331,6 +336,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--queue-fast-hold", type=float, default=None,
                    help="seconds: with --queue-fast-after, stay fast this long after the last step that saw a waiting "
                         "request (EngineConfig.queue_fast_hold_s; default 2)")
+    p.add_argument("--prefill-fast", action="store_true",
+                   help="dps, combined: steps that carry a prefill chunk run every layer in FP8, residuals kept "
+                        "(EngineConfig.prefill_fast)")
     p.add_argument("--no-gc-shadow", action="store_true",
                    help="automatic garbage collection (EngineConfig.gc_in_step_shadow=False), as before session 15")
     p.add_argument("--t-base", type=float, default=None, help="seconds; default: measured in this run (moe)")

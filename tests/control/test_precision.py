@@ -178,15 +178,32 @@ def test_queued_prompts_keep_queue_pressure_on_but_never_turn_it_on():
     assert [trigger.run_all_fast(*step) for step in steps] == [True, True, True, True, False, False, False]
 
 
+def test_prefill_fast_runs_exactly_the_steps_that_carry_a_prefill_chunk_and_holds_nothing():
+    """prefill_fast alone: fast for each step with a prefill chunk, whatever the wait, and never the step after; with
+    the queue rule too (1 s, hold 2 s) a prefill step does not refresh the hold, which still ends 2 s after the last
+    step that saw a 1 s wait; static-fp8 runs fast for memory, never for this rule."""
+    alone = QueuePressure(PrecisionConfig(prefill_fast=True))
+    steps = [(0.0, 5.0, 3, False), (0.1, 0.0, 0, True), (0.2, 0.0, 0, False), (0.3, 0.0, 0, True)]
+    assert [alone.run_all_fast(*step) for step in steps] == [False, True, False, True]
+    both = QueuePressure(PrecisionConfig(queue_fast_s=1.0, queue_fast_hold_s=2.0, prefill_fast=True))
+    steps = [(0.0, 0.2, 0, True), (0.5, 0.1, 0, False), (1.0, 1.0, 0, False), (2.9, 0.0, 0, True), (3.1, 0.0, 0, False),
+             (3.2, 0.0, 0, True)]
+    assert [both.run_all_fast(*step) for step in steps] == [True, False, True, True, False, True]
+    assert not QueuePressure(PrecisionConfig(static_fast=True, prefill_fast=True)).run_all_fast(0.0, 0.0, 0, True)
+
+
 def test_queue_pressure_needs_a_configuration_that_switches_precision():
     from elastiserve.control.config import preset
     from elastiserve.platforms import ConfigError
 
     assert preset("dps").with_precision(queue_fast_s=1.0).precision.queue_fast_s == 1.0
     assert preset("combined").with_precision(queue_fast_s=0.5).precision.granularity == "layer"
+    assert preset("combined").with_precision(prefill_fast=True).precision.prefill_fast
     for name in ("static-fp16", "elastickv"):
         with pytest.raises(ConfigError, match="queue_fast_s"):
             preset(name).with_precision(queue_fast_s=1.0)
+        with pytest.raises(ConfigError, match="prefill_fast"):
+            preset(name).with_precision(prefill_fast=True)
     for bad in ({"queue_fast_s": 0.0}, {"queue_fast_hold_s": -1.0}):
         with pytest.raises(ConfigError):
             PrecisionConfig(**bad)

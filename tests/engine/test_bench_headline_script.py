@@ -88,7 +88,7 @@ def test_moe_smoke(tmp_path, capsys):
         f"{d['capacity'][d['runs'][0]['policy']]:g}" for d in datas for _ in d["runs"]]
 
 
-def test_queue_fast_settings_reach_only_the_switching_policies():
+def test_queue_and_prefill_fast_settings_reach_only_the_switching_policies():
     headline = load_script()
     args = headline.parse_args(["--setting", "dense", "--out", "x", "--queue-fast-after", "0.1",
                                 "--queue-fast-hold", "0.25"])
@@ -96,6 +96,9 @@ def test_queue_fast_settings_reach_only_the_switching_policies():
     assert headline.policy_settings(settings, "combined", args) == {
         "device": "cpu", "queue_fast_after_s": 0.1, "queue_fast_hold_s": 0.25}
     assert headline.policy_settings(settings, "elastickv", args) == settings
+    args = headline.parse_args(["--setting", "dense", "--out", "x", "--prefill-fast"])
+    assert headline.policy_settings(settings, "dps", args) == {"device": "cpu", "prefill_fast": True}
+    assert headline.policy_settings(settings, "static-fp16", args) == settings
     with pytest.raises(SystemExit):  # a hold without the queue rule is refused, not dropped
         headline.parse_args(["--setting", "dense", "--out", "x", "--queue-fast-hold", "0.25"])
 

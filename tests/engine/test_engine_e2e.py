@@ -278,19 +278,63 @@ def test_queue_fast_runs_fp8_while_prompts_wait_and_returns_without_restore(tiny
     assert not {"evict_residual", "restore_start", "restore_done"} & set(counts)
 
 
+@pytest.mark.cuda
+def test_prefill_fast_runs_fp8_exactly_on_the_steps_that_carry_a_prefill_chunk(tiny_llama, device):
+    """dps with ``prefill_fast``: a step with a prefill chunk (16-token budget: the 21-token prompt spans steps, and
+    a request added mid-run prefills between decode steps) runs every layer FP8 with nothing evicted; every
+    decode-only step runs full; the lower planes never change and every request finishes unrecomputed."""
+    from elastiserve.control.arbiter import Arbiter
+    from elastiserve.control.config import preset
+
+    control = preset("dps").with_engine_admission().with_precision(prefill_fast=True)
+    engine = make_engine(tiny_llama, device, scripted=Arbiter(control, a_max=64), policy="dps", prefill_fast=True)
+    lower_before = {name: m.lower.clone() for name, m in nested_linears(engine.model).items()}
+    seen: list[tuple[bool, frozenset]] = []
+    execute = engine.runner.execute
+
+    def spy(batch, kv):
+        seen.append((batch.is_decode_only, engine.runner.fast_layers))
+        return execute(batch, kv)
+
+    engine.runner.execute = spy
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    seqs = [engine.scheduler.find(f"r{i}") for i in range(len(PROMPTS))]
+    for _ in range(6):
+        engine.step()
+    engine.add_request("late", PROMPTS[0], params)
+    seqs.append(engine.scheduler.find("late"))
+    while engine.has_unfinished():
+        engine.step()
+    every = frozenset(range(3))
+    assert all(fast == (frozenset() if decode_only else every) for decode_only, fast in seen), seen
+    assert sum(not d for d, _ in seen) >= 3 and sum(d for d, _ in seen) >= 5
+    assert [d for d, _ in seen].index(True) < max(i for i, (d, _) in enumerate(seen) if not d)  # late prefill
+    assert all(seq.num_output_tokens == 10 and seq.metrics.preemptions == 0 for seq in seqs)
+    for name, m in nested_linears(engine.model).items():
+        assert torch.equal(m.lower, lower_before[name]), name
+    assert engine.runner.pool.block_pool.state.fast_layers == frozenset()
+    assert not {"evict_residual", "restore_start", "restore_done"} & set(engine.events.counts())
+
+
 def test_queue_fast_needs_a_policy_that_switches_precision():
     from elastiserve.platforms import ConfigError
 
     for policy in ("static-fp16", "static-fp8", "elastickv"):
         with pytest.raises(ConfigError, match="queue_fast_after_s"):
             EngineConfig(model="x", policy=policy, queue_fast_after_s=1.0)
+        with pytest.raises(ConfigError, match="prefill_fast"):
+            EngineConfig(model="x", policy=policy, prefill_fast=True)
     assert EngineConfig(model="x", policy="combined", queue_fast_after_s=1.0).queue_fast_after_s == 1.0
     from elastiserve.engine.transitions import make_policy
 
     held = make_policy(EngineConfig(model="x", policy="combined", queue_fast_after_s=0.1, queue_fast_hold_s=0.25))
     assert (held.config.precision.queue_fast_s, held.config.precision.queue_fast_hold_s) == (0.1, 0.25)
     default = make_policy(EngineConfig(model="x", policy="dps", queue_fast_after_s=0.1)).config.precision
-    assert default.queue_fast_hold_s == 2.0  # the control default
+    assert default.queue_fast_hold_s == 2.0 and not default.prefill_fast  # the control defaults
+    prefill = make_policy(EngineConfig(model="x", policy="combined", prefill_fast=True)).config.precision
+    assert prefill.prefill_fast and prefill.queue_fast_s is None
     with pytest.raises(ConfigError, match="queue_fast_hold_s"):
         EngineConfig(model="x", policy="dps", queue_fast_hold_s=0.5)  # a hold without the queue rule
     with pytest.raises(ConfigError, match="queue_fast_hold_s"):

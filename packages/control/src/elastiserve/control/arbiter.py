@@ -48,11 +48,13 @@ class Arbiter:
         self.kv.plan_promotion(0, 0, 0, False)
         self._track_episode_state(now, degraded=False)
 
-    def run_all_fast(self, now: float, oldest_queued_s: float, queued_prompts: int = 0) -> bool:
+    def run_all_fast(self, now: float, oldest_queued_s: float, queued_prompts: int = 0,
+                     carries_prefill: bool = False) -> bool:
         """Once per step, after scheduling: whether the step runs every layer in FP8 for speed (residuals kept;
-        ``PrecisionConfig.queue_fast_s``). ``oldest_queued_s``: the longest any request has waited for its first
-        token; ``queued_prompts``: requests the schedule left waiting with no token scheduled."""
-        return self.queue.run_all_fast(now, oldest_queued_s, queued_prompts)
+        ``PrecisionConfig.queue_fast_s`` and ``prefill_fast``). ``oldest_queued_s``: the longest any request has
+        waited for its first token; ``queued_prompts``: requests the schedule left waiting with no token scheduled;
+        ``carries_prefill``: whether the step runs a prefill chunk."""
+        return self.queue.run_all_fast(now, oldest_queued_s, queued_prompts, carries_prefill)
 
     def mechanism_order(self, blocks_per_layer: int) -> list[str]:
         """Enabled mechanisms, cheapest per freed block first at the current expected pressure duration."""

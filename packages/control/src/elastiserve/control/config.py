@@ -91,6 +91,12 @@ class PrecisionConfig:
     as compute: nothing is evicted, so going back to full costs no restore. On the H200 MoE headline (session 10,
     dps at 14 req/s) every request that missed the 2 s TTFT bound arrived while dps still ran full mode with KV
     below kappa_high and 18-27 prompts queued; after the KV-driven switch, none missed it.
+    ``prefill_fast``: a step that carries a prefill chunk also runs every layer fast (residuals kept), so a prompt's
+    first token never waits on full-mode prefill while decode-only steps keep their resident layers exact. At a
+    closed-loop client's concurrency 38 (dense, half scale, H100, session 47) combined with the queue rule alone kept
+    43 % of its layer-time full and its P90 TTFT 0.32 s stayed 0.01 s behind dps's: each new prompt arrived as a
+    request finished, had waited ~0 s at the next step and ran its 2,048-token prefill with half the layers full.
+    The prompt's KV is then computed from FP8 weights, as in dps's fast mode.
     """
 
     kappa_low: float = 0.6
@@ -103,6 +109,7 @@ class PrecisionConfig:
     layer_groups: int = 4
     queue_fast_s: float | None = None
     queue_fast_hold_s: float = 2.0
+    prefill_fast: bool = False
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.kappa_low < self.kappa_high, "need 0 <= kappa_low < kappa_high (hysteresis band)")
@@ -172,8 +179,10 @@ class ControlConfig:
         _require(isinstance(self.kv, KVFidelityConfig), "kv must be a KVFidelityConfig")
         _require(isinstance(self.precision, PrecisionConfig), "precision must be a PrecisionConfig")
         _require(isinstance(self.arbiter, ArbiterConfig), "arbiter must be an ArbiterConfig")
-        _require(self.precision.queue_fast_s is None or "evict" in self.arbiter.mechanisms,
-                 "precision.queue_fast_s needs nested weights: a configuration that evicts residuals (dps, combined)")
+        compute_rule = self.precision.queue_fast_s is not None or self.precision.prefill_fast
+        _require(not compute_rule or "evict" in self.arbiter.mechanisms,
+                 "precision.queue_fast_s and prefill_fast need nested weights: a configuration that evicts residuals "
+                 "(dps, combined)")
 
     @property
     def uses_demotion(self) -> bool:

@@ -8,7 +8,8 @@ ceil(shortage_units / units_per_layer) where layers are alike; at least ``min_ev
 shortage is pending, that layer's units are all FREE, and at least ``restore_min_free_units`` more units than that
 layer's stay free.
 
-``QueuePressure`` is the one stateful piece: the compute side of precision (``PrecisionConfig.queue_fast_s``).
+``QueuePressure`` is the one stateful piece: the compute side of precision (``PrecisionConfig.queue_fast_s`` and
+``prefill_fast``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class QueuePressure:
     on because the wait alone released it mid-burst on the H200 (session 12, MoE headline, dps at 21 req/s): fast
     mode had drained every old request, the 2 s hold ran out at t = 3.98 s with 11 prompts just queued, the next
     full-mode step took 132 ms with 74 requests running (TBT bound 123 ms), and 0.43 s later the wait had turned
-    it on again."""
+    it on again. With ``prefill_fast`` a step that carries a prefill chunk runs fast too; it touches no hold."""
 
     def __init__(self, config: PrecisionConfig) -> None:
         self.config = config
@@ -49,17 +50,22 @@ class QueuePressure:
 
     @property
     def enabled(self) -> bool:
-        return self.config.queue_fast_s is not None and not self.config.static_fast
+        return (self.config.queue_fast_s is not None or self.config.prefill_fast) and not self.config.static_fast
 
-    def run_all_fast(self, now: float, oldest_queued_s: float, queued_prompts: int = 0) -> bool:
+    def run_all_fast(self, now: float, oldest_queued_s: float, queued_prompts: int = 0,
+                     carries_prefill: bool = False) -> bool:
         """``oldest_queued_s``: the longest any request has waited for its first token; ``queued_prompts``: how
-        many requests this step's schedule left waiting without a single token scheduled."""
+        many requests this step's schedule left waiting without a single token scheduled; ``carries_prefill``:
+        whether the step runs a prefill chunk."""
         if not self.enabled:
             return False
+        if self.config.queue_fast_s is None:
+            return carries_prefill
         on = self._high_at is not None and now - self._high_at <= self.config.queue_fast_hold_s
         if oldest_queued_s >= self.config.queue_fast_s or (on and queued_prompts > 0):
             self._high_at = now
-        return self._high_at is not None and now - self._high_at <= self.config.queue_fast_hold_s
+        held = self._high_at is not None and now - self._high_at <= self.config.queue_fast_hold_s
+        return held or (self.config.prefill_fast and carries_prefill)
 
 
 class PrecisionPolicy:

@@ -329,7 +329,8 @@ class Replica(TransferRecovery):
             obs = self.observe(probed, required, self._needs_pair_detail(probed))
             demoted = self._apply_pressure(self.arbiter.decide_pressure(obs))
         decodes, prefills = self._schedule(chunks)
-        self._queue_fast = self.arbiter.run_all_fast(self.now, self._oldest_queued_s(), len(self.waiting))
+        self._queue_fast = self.arbiter.run_all_fast(self.now, self._oldest_queued_s(), len(self.waiting),
+                                                     bool(prefills))
         self._note_mode()
         if not decodes and not prefills:
             self._upload_barrier = self.h2d_free_at

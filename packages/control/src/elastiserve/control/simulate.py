@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds: also run each preset that evicts with PrecisionConfig.queue_fast_s (name+queue)")
     p.add_argument("--queue-fast-hold", type=float, default=None,
                    help="seconds: PrecisionConfig.queue_fast_hold_s of the +queue presets (default 2)")
+    p.add_argument("--prefill-fast", action="store_true",
+                   help="also run each preset that evicts with PrecisionConfig.prefill_fast (steps with a prefill "
+                        "chunk run every layer fast), together with --queue-fast-after when given (name+queue+prefill)")
     p.add_argument("--step-model", default=None,
                    help=f"step-time coefficients: one of {sorted(PACKAGED_STEP_MODELS)} or a JSON file (default: h200)")
     p.add_argument("--trace-dir", type=Path, default=None)
@@ -116,9 +119,17 @@ def main(argv: list[str] | None = None) -> str:
         configs = [c.with_engine_admission() for c in configs]
     if args.queue_fast_hold is not None and args.queue_fast_after is None:
         raise ConfigError("--queue-fast-hold needs --queue-fast-after")
+    compute_rules: dict[str, object] = {}
+    suffix = ""
     if args.queue_fast_after is not None:
-        hold = {} if args.queue_fast_hold is None else {"queue_fast_hold_s": args.queue_fast_hold}
-        configs += [replace(c.with_precision(queue_fast_s=args.queue_fast_after, **hold), name=f"{c.name}+queue")
+        compute_rules = {"queue_fast_s": args.queue_fast_after}
+        compute_rules |= {} if args.queue_fast_hold is None else {"queue_fast_hold_s": args.queue_fast_hold}
+        suffix = "+queue"
+    if args.prefill_fast:
+        compute_rules["prefill_fast"] = True
+        suffix += "+prefill"
+    if compute_rules:
+        configs += [replace(c.with_precision(**compute_rules), name=f"{c.name}{suffix}")
                     for c in configs if "evict" in c.arbiter.mechanisms]
     step_model = load_step_model(args.step_model)
     # The eviction granule must be the step model's model's. At 32 units a layer (the default before session 44) each

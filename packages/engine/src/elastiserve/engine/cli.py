@@ -103,6 +103,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
     p.add_argument("--queue-fast-hold", dest="queue_fast_hold_s", type=float, default=None,
                    help="seconds: with --queue-fast-after, stay fast this long after the last step that saw a "
                         "waiting request (default 2)")
+    p.add_argument("--prefill-fast", action="store_true",
+                   help="dps, combined: steps that carry a prefill chunk run every layer in FP8, residuals kept")
     p.add_argument("--nest-lm-head", action="store_true",
                    help="nested policies: lm_head in nested planes too, read in FP8 while every layer runs fast "
                         "(its logits then move; off by default)")
@@ -123,8 +125,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = True) 
 ENGINE_FIELDS = ("device", "dtype", "block_size", "gpu_memory_utilization", "gpu_memory_budget", "kv_cache_budget",
                  "host_backing_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "tensor_parallel_size", "load_format", "enforce_eager", "graph_capture_after", "mixed_graphs",
-                 "max_step_time_s", "queue_fast_after_s", "queue_fast_hold_s", "nest_lm_head", "lm_head_exact_top",
-                 "enable_prefix_caching", "gc_in_step_shadow",
+                 "max_step_time_s", "queue_fast_after_s", "queue_fast_hold_s", "prefill_fast", "nest_lm_head",
+                 "lm_head_exact_top", "enable_prefix_caching", "gc_in_step_shadow",
                  "seed", "cpu_kv_blocks", "scheduling_policy")
 
 

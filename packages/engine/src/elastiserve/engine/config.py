@@ -47,6 +47,10 @@ class EngineConfig:
     # simulator at the H100-fitted step model, dense half scale, concurrency 38: combined at 0.1 s with a 0.25 s hold
     # ran 57 % FP8 layer-time against 70 % at 2 s, at the same P90 TTFT (BENCHMARKS.md, session 45).
     queue_fast_hold_s: float | None = None
+    # dps / combined: a step that carries a prefill chunk runs every layer in FP8 too (residuals kept), so no prompt
+    # waits on a full-mode prefill (control PrecisionConfig.prefill_fast). The simulator at the H100 step model, dense
+    # half scale, concurrency 38: combined's P90 TTFT 0.30 -> 0.29 s, dps's, at 62 % FP8 layer-time against 100 %.
+    prefill_fast: bool = False
     # Nested policies: nest lm_head too, so that it reads its upper plane only while the last decoder layer runs fast
     # (per-layer eviction reaches that layer last: every layer is fast by then). Its lower plane is part of the last
     # layer's residual: evicted into KV and restored with it. Off by default, as serving systems keep lm_head 16-bit
@@ -100,9 +104,10 @@ class EngineConfig:
             raise ConfigError("sink_pairs and recent_pairs must be >= 0")
         if self.queue_fast_hold_s is not None and (self.queue_fast_hold_s < 0 or self.queue_fast_after_s is None):
             raise ConfigError(f"queue_fast_hold_s={self.queue_fast_hold_s}: expected >= 0, with queue_fast_after_s set")
-        if self.queue_fast_after_s is not None and self.policy not in SWITCHING_POLICIES:
-            raise ConfigError(f"queue_fast_after_s needs a policy that can switch precision {SWITCHING_POLICIES}, "
-                              f"not {self.policy!r}")
+        for name in ("queue_fast_after_s", "prefill_fast"):
+            if getattr(self, name) not in (None, False) and self.policy not in SWITCHING_POLICIES:
+                raise ConfigError(f"{name} needs a policy that can switch precision {SWITCHING_POLICIES}, "
+                                  f"not {self.policy!r}")
         if self.nest_lm_head and not self.uses_nested_weights:
             raise ConfigError(f"nest_lm_head needs a policy with nested weights {NESTED_POLICIES}, not {self.policy!r}")
         if self.lm_head_exact_top < 0:

@@ -53,7 +53,8 @@ class LLMEngine:
     ) -> None:
         """``model``/``tokenizer`` override the loader (tests); ``policy`` overrides the control preset
         (any object with ``decide_pressure(obs)`` and ``decide_recovery(obs)`` returning a ``Decision``, and with
-        ``config.queue_fast_after_s`` set, ``run_all_fast(now, oldest_queued_s)``)."""
+        ``config.queue_fast_after_s`` or ``prefill_fast`` set, ``run_all_fast(now, oldest_queued_s, queued_prompts,
+        carries_prefill)``)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.tp_group = None
@@ -257,7 +258,7 @@ class LLMEngine:
             self.events.add(time.monotonic(), step, "preempt", 1, f"no block for {seq.request_id}")
         transitions.apply(self.policy.decide_recovery(self._observe(None)), step)
         transitions.restore_between_steps(step)
-        transitions.update_queue_fast()
+        transitions.update_queue_fast(not batch.is_decode_only)
         transitions.sync_mode(step, self._budget_defers(batch))
         if batch.is_empty:
             self.gc_watch.collect_due()  # an idle engine has no device shadow: its passes run here

@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class Transitions:
-    """``policy``: the control plane (its ``run_all_fast`` is asked once per step when ``queue_fast_after_s`` is
-    set); ``precision``: its ``PrecisionConfig``, or None for scripted test policies (the stale layers run fast);
-    ``seq_index``: request id -> the integer id the pair ranking uses."""
+    """``policy``: the control plane (its ``run_all_fast`` is asked once per step when ``queue_fast_after_s`` or
+    ``prefill_fast`` is set); ``precision``: its ``PrecisionConfig``, or None for scripted test policies (the stale
+    layers run fast); ``seq_index``: request id -> the integer id the pair ranking uses."""
 
     def __init__(self, config: EngineConfig, kv: KVManager, scheduler: Scheduler, runner: Any, events: Any,
                  policy: Any, precision: Any, seq_index: dict[str, int], num_layers: int) -> None:
@@ -133,14 +133,15 @@ class Transitions:
             self.scheduler.preempt(self.scheduler.victim())
             self.events.add(time.monotonic(), step, "preempt", 1, reason)
 
-    def update_queue_fast(self) -> None:
-        """Whether this step runs every layer fast for the queue (``EngineConfig.queue_fast_after_s``)."""
-        if self.config.queue_fast_after_s is None:
+    def update_queue_fast(self, carries_prefill: bool) -> None:
+        """Whether this step runs every layer fast for the queue or its prefill chunks
+        (``EngineConfig.queue_fast_after_s``, ``prefill_fast``)."""
+        if self.config.queue_fast_after_s is None and not self.config.prefill_fast:
             return
         now = time.monotonic()
         oldest = self.scheduler.oldest_unanswered_arrival()
         self.queue_fast = self.policy.run_all_fast(now, 0.0 if oldest is None else now - oldest,
-                                                   len(self.scheduler.waiting))
+                                                   len(self.scheduler.waiting), carries_prefill)
 
     def sync_mode(self, step: int, defers=None) -> None:
         """Layers whose residual went stale (allocation took a BACKED unit, or eviction) run fast from this step, and
@@ -184,4 +185,6 @@ def make_policy(config: EngineConfig):
     if config.queue_fast_after_s is not None:
         hold = {} if config.queue_fast_hold_s is None else {"queue_fast_hold_s": config.queue_fast_hold_s}
         control = control.with_precision(queue_fast_s=config.queue_fast_after_s, **hold)
+    if config.prefill_fast:
+        control = control.with_precision(prefill_fast=True)
     return Arbiter(control, a_max)
