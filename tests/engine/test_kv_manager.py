@@ -11,6 +11,7 @@ import pytest
 from elastiserve.control.events import EventLog
 from elastiserve.engine.errors import EngineError
 from elastiserve.engine.kv_manager import FlatBlockPool, KVManager, SumBlockPool
+from elastiserve.engine.pair_states import PairStates
 from elastiserve.engine.sampling import SamplingParams
 from elastiserve.engine.sequence import PairState, Sequence, SequenceMetrics
 from elastiserve.engine.transitions import Transitions
@@ -243,7 +244,7 @@ def test_base_tokens_counts_like_a_walk_over_every_pair():
     pair_tokens = 2 * BS
     for _ in range(300):
         seq = make_seq("s", 1)
-        seq.pair_states = [rng.choice(list(PairState)) for _ in range(rng.randint(0, 12))]
+        seq.pair_states = PairStates(rng.choice(list(PairState)) for _ in range(rng.randint(0, 12)))
         seq_len = rng.randint(0, (len(seq.pair_states) + 2) * pair_tokens)
         walk = sum(max(0, min(seq_len, (p + 1) * pair_tokens) - p * pair_tokens)
                    for p, state in enumerate(seq.pair_states) if state is not PairState.TARGET)

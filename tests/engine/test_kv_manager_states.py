@@ -246,6 +246,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         states = Counter(s for seq in self.scheduler.running for s in seq.pair_states)
         assert counts["base_pairs"] == states[PairState.BASE]
         assert counts["promoting_pairs"] == states[PairState.PROMOTING]
+        for seq in self.scheduler.running:  # the lists' own counts (read every step instead of scanning)
+            assert seq.pair_states.num_base == seq.pair_states.count(PairState.BASE)
+            assert seq.pair_states.num_not_target == len(seq.pair_states) - seq.pair_states.count(PairState.TARGET)
+            assert kv.num_demotable_pairs(seq) == len(kv.demotable_pairs(seq))
         assert 0 <= kv.exposure.base_tokens <= kv.exposure.attended_tokens
         assert 0 <= kv.num_promotions <= kv.num_demotions
 

@@ -228,23 +228,28 @@ class KVManager:
             return 0
         if any(seq.cache_held):  # shared pairs are not demotable: count them out one by one
             return sum(1 for _ in self.iter_demotable_pairs(seq))
-        if not seq.has_base_pairs():
+        states = seq.pair_states
+        if not states.num_not_target:
             return end - self.sink_pairs
-        return seq.pair_states[self.sink_pairs : end].count(PairState.TARGET)
+        # Non-TARGET pairs inside [sink, end) are all of them less those in the sink and past ``end`` (a few pairs):
+        # no scan of the BASE run between (pair_states.py).
+        head, tail = states[: self.sink_pairs], states[end:]
+        outside = len(head) - head.count(PairState.TARGET) + len(tail) - tail.count(PairState.TARGET)
+        return end - self.sink_pairs - (states.num_not_target - outside)
 
     @staticmethod
     def promotion_candidates(seqs: Iterable[Sequence]) -> Iterator[tuple[Sequence, int]]:
         """BASE pairs, earliest-arrived requests first (they are the most urgent to restore), produced lazily: a
         promotion takes the first few."""
         for seq in sorted(seqs, key=lambda s: s.arrival_time):
-            if seq.has_base_pairs():
+            if seq.pair_states.num_base:
                 yield from ((seq, p) for p, st in enumerate(seq.pair_states) if st is PairState.BASE)
 
     @staticmethod
     def num_promotable_pairs(seqs: Iterable[Sequence]) -> int:
         """How many pairs ``promotion_candidates`` would give, without producing them (every step's observation
         counts them)."""
-        return sum(s.pair_states.count(PairState.BASE) for s in seqs)
+        return sum(s.pair_states.num_base for s in seqs)
 
     @property
     def num_free_slots(self) -> int:
@@ -350,17 +355,18 @@ class KVManager:
     def base_tokens(self, seq: Sequence, seq_len: int) -> int:
         """KV tokens among the first ``seq_len`` that attention reads from BASE pairs (BASE or PROMOTING).
 
-        Every step calls this for every sequence (exposure). Pairs wholly inside ``seq_len`` are counted in C;
-        only pairs that reach past it (at most the partly filled last one, in practice) are walked: on the CPU a
-        walk over every BASE pair cost ~5 ms per step at batch 58 with 4,096-token contexts, 75 % BASE."""
+        Every step calls this for every sequence (exposure). Pairs wholly inside ``seq_len`` are the list's own
+        count less the pairs that reach past it (at most the partly filled last one, in practice), which are walked:
+        on the CPU a walk over every BASE pair cost ~5 ms per step at batch 58 with 4,096-token contexts, 75 % BASE."""
         states = seq.pair_states
-        if not seq.has_base_pairs():
+        if not states.num_not_target:
             return 0
         pair_tokens = 2 * self.block_size
         whole = min(seq_len // pair_tokens, len(states))
-        inside = whole - states[:whole].count(PairState.TARGET)
+        past = states[whole:]
+        inside = states.num_not_target - (len(past) - past.count(PairState.TARGET))
         tail = sum(max(0, min(seq_len, (p + 1) * pair_tokens) - p * pair_tokens)
-                   for p in range(whole, len(states)) if states[p] is not PairState.TARGET)
+                   for p, state in enumerate(past, start=whole) if state is not PairState.TARGET)
         return inside * pair_tokens + tail
 
     def record_exposure(self, seq: Sequence, seq_len: int) -> None:
