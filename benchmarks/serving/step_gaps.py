@@ -5,7 +5,11 @@ time before step i is ``t[i] - step_s[i] - t[i-1]``. ``gc_s`` covers the collect
 ended, between the steps and inside this one (inside it they overlap the device when the engine runs them in its
 shadow, ``EngineConfig.gc_in_step_shadow``).
 
-    python benchmarks/serving/step_gaps.py RESULT.json.gz [more ...] [--top 8]
+    python benchmarks/serving/step_gaps.py RESULT.json.gz [more ...] [--top 8] [--by-running 8]
+
+``--by-running W`` adds the median host time of decode-only steps that demoted nothing, by running sequences in
+buckets of W: host work grows with the batch, so policies compare at equal batches (session 47: elastickv 2.21 ms at
+56 sequences, dps 0.95 ms at 48-55, where static-fp16, preempting, ran 24-39).
 """
 
 from __future__ import annotations
@@ -25,8 +29,20 @@ def step_gaps(timeline: list[dict]) -> list[dict]:
             continue
         host_s = step["t"] - step["step_s"] - before["t"]
         rows.append({"t": step["t"], "host_s": host_s, "step_s": step["step_s"], "gc_s": step.get("gc_s"),
-                     "running": step.get("running"), "step_tokens": step.get("step_tokens")})
+                     "running": step.get("running"), "step_tokens": step.get("step_tokens"),
+                     "step_seqs": step.get("step_seqs"),
+                     "demoted": step.get("demotions", 0) - before.get("demotions", 0)})
     return rows
+
+
+def host_by_running(rows: list[dict], width: int) -> list[tuple[int, int, float]]:
+    """(lowest running count of the bucket, steps, median host ms) over decode-only steps that demoted nothing."""
+    buckets: dict[int, list[float]] = {}
+    for r in rows:
+        if r["step_tokens"] != r["step_seqs"] or r["demoted"] or r["running"] is None:
+            continue
+        buckets.setdefault(r["running"] // width * width, []).append(r["host_s"] * 1e3)
+    return [(low, len(ms), statistics.median(ms)) for low, ms in sorted(buckets.items())]
 
 
 def _load(path: Path) -> dict:
@@ -39,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", type=Path)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--by-running", type=int, default=None, metavar="W",
+                   help="also the median host ms of decode-only, non-demoting steps by running sequences, W a bucket")
     args = p.parse_args(argv)
     for path in args.results:
         for run in _load(path)["runs"]:
@@ -58,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
                 gc_ms = "n/a" if r["gc_s"] is None else f"{r['gc_s'] * 1e3:.1f}"
                 print(f"  t={r['t']:7.2f} s host {r['host_s'] * 1e3:6.1f} ms  step {r['step_s'] * 1e3:6.1f} ms  "
                       f"gc {gc_ms} ms  running {r['running']}  tokens {r['step_tokens']}")
+            if args.by_running:
+                for low, n, median_ms in host_by_running(rows, args.by_running):
+                    print(f"  running {low}-{low + args.by_running - 1}: {n} decode steps, host median "
+                          f"{median_ms:.2f} ms")
 
 
 if __name__ == "__main__":
