@@ -132,6 +132,37 @@ def test_a_switch_back_to_full_waits_for_a_step_budgeted_for_full():
         engine.close()
 
 
+def test_prefill_fast_plans_chunks_at_the_all_fast_budget():
+    """With ``prefill_fast`` a step that carries a prompt chunk runs every layer fast, so the chunk is planned at
+    fast mode's budget (64 tokens here) even while the decode steps around it run full (8)."""
+    from elastiserve.control.arbiter import Arbiter
+    from elastiserve.control.config import preset
+
+    model = random_fp16_model(small_llama_config(2, 256))
+    config = EngineConfig(model="tiny", device="cpu", block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_step_time_s=1.0, cpu_kv_blocks=256, policy="dps", prefill_fast=True)
+    control = preset("dps").with_engine_admission().with_precision(prefill_fast=True)
+    engine = LLMEngine(config, model=model, policy=Arbiter(control, a_max=64), eos_token_ids=())
+    engine.step_budget = HeldBudget(StepBudgetConfig(1.0, 64))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        engine.add_request("a", [3] * 6, params)
+        engine.step()  # the prompt, fast
+        assert engine.runner.fast_layers == frozenset(range(2)) and engine.last_step["step_tokens"] == 6
+        engine.step()  # a decode step, full
+        assert engine.runner.fast_layers == frozenset() and engine.last_step["step_tokens"] == 1
+        engine.add_request("b", [5] * 100, params)
+        engine.step()  # one decode and 63 prompt tokens, at fast mode's budget, run fast
+        assert engine.last_step["step_tokens"] == 64 and engine.runner.fast_layers == frozenset(range(2))
+        while engine.has_unfinished():
+            engine.step()
+            fast = engine.runner.fast_layers
+            assert fast == (frozenset() if engine.last_step["step_tokens"] == engine.last_step["step_seqs"]
+                            else frozenset(range(2)))
+    finally:
+        engine.close()
+
+
 def test_probe_steps_prime_the_budget_of_every_whole_model_mode():
     """The probe (``step_probe``): a quarter, a half, three quarters and all of the chunk budget, twice each, in each
     mode the policy reaches, written nowhere in the KV cache; the primed budget caps before any served step, and the

@@ -130,7 +130,8 @@ class Replica(TransferRecovery):
         bs = self.rc.block_size
         budget = self.rc.max_num_batched_tokens
         if self.step_budget is not None:  # the mode of the last step, or a deferred one: the engine's choice too
-            budget = self.step_budget.plan_tokens(len(self._running_fast), self._deferred_fast)
+            mode = self.pool.num_layers if self.control.precision.prefill_fast else len(self._running_fast)
+            budget = self.step_budget.plan_tokens(mode, self._deferred_fast)  # prefill_fast: chunks run all fast
         required, chunks = 0, []
         for seq in self.running:
             if seq.computed >= seq.prefill_target:  # decoding: a new block exactly when the last one is full

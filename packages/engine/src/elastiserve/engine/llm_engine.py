@@ -250,8 +250,9 @@ class LLMEngine:
         step, transitions = self.step_count, self.transitions
         transitions.publish_promotions(step)
         if self.step_budget is not None:  # before the probe, so that its dry run plans the same step
-            self.scheduler.step_tokens = self.step_budget.plan_tokens(len(self.runner.fast_layers),
-                                                                      transitions.deferred_fast)
+            # With prefill_fast every step that carries a chunk runs all layers fast: plan chunks at that budget.
+            mode = transitions.num_layers if self.config.prefill_fast else len(self.runner.fast_layers)
+            self.scheduler.step_tokens = self.step_budget.plan_tokens(mode, transitions.deferred_fast)
         transitions.apply(self.policy.decide_pressure(self._observe(self._probe())), step)
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
