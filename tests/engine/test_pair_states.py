@@ -9,6 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from list_ops import apply_list_op, list_operations
 
 from elastiserve.engine.kv_manager import KVManager
 from elastiserve.engine.pair_states import PairState, PairStates
@@ -16,54 +17,7 @@ from elastiserve.engine.pair_states import PairState, PairStates
 pytestmark = [pytest.mark.cpu]
 
 states = st.sampled_from(list(PairState))
-operations = st.one_of(
-    st.tuples(st.just("append"), states),
-    st.tuples(st.just("extend"), st.lists(states, max_size=20)),
-    st.tuples(st.just("iadd"), st.lists(states, max_size=5)),
-    st.tuples(st.just("set"), st.integers(-50, 50), states),
-    st.tuples(st.just("set_slice"), st.integers(-5, 30), st.integers(-5, 30), st.lists(states, max_size=6)),
-    st.tuples(st.just("set_stride"), states),
-    st.tuples(st.just("del"), st.integers(-50, 50)),
-    st.tuples(st.just("del_slice"), st.integers(0, 30), st.integers(0, 30)),
-    st.tuples(st.just("pop"), st.integers(-50, 50)),
-    st.tuples(st.just("insert"), st.integers(-50, 50), states),
-    st.tuples(st.just("remove"), states),
-    st.tuples(st.just("clear")),
-    st.tuples(st.just("reverse")),
-    st.tuples(st.just("imul"), st.integers(0, 2)),
-)
-
-
-def apply(pairs: list, op: tuple) -> None:
-    kind, *args = op
-    if kind == "append":
-        pairs.append(args[0])
-    elif kind == "extend":
-        pairs.extend(iter(args[0]))  # an iterator: the counts must not read it twice
-    elif kind == "iadd":
-        pairs += args[0]
-    elif kind == "set" and pairs:
-        pairs[args[0] % len(pairs) - (len(pairs) if args[0] < 0 else 0)] = args[1]
-    elif kind == "set_slice":
-        pairs[args[0] : args[1]] = args[2]
-    elif kind == "set_stride" and len(pairs) >= 2:
-        pairs[::2] = [args[0]] * len(pairs[::2])
-    elif kind == "del" and pairs:
-        del pairs[args[0] % len(pairs)]
-    elif kind == "del_slice":
-        del pairs[args[0] : args[1]]
-    elif kind == "pop" and pairs:
-        pairs.pop(args[0] % len(pairs))
-    elif kind == "insert":
-        pairs.insert(args[0], args[1])
-    elif kind == "remove" and args[0] in pairs:
-        pairs.remove(args[0])
-    elif kind == "clear":
-        pairs.clear()
-    elif kind == "reverse":
-        pairs.reverse()
-    elif kind == "imul":
-        pairs *= args[0]
+operations = list_operations(states)
 
 
 def assert_counts(pairs: PairStates) -> None:
@@ -77,8 +31,8 @@ def test_counts_follow_every_list_operation(ops):
     pairs = PairStates([PairState.TARGET, PairState.BASE, PairState.PROMOTING])
     plain = list(pairs)
     for op in ops:
-        apply(pairs, op)
-        apply(plain, op)
+        apply_list_op(pairs, op)
+        apply_list_op(plain, op)
         assert_counts(pairs)
     assert list(pairs) == plain
 

@@ -5,24 +5,16 @@ hand-computed values."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from engine_scripts import load_serving_script
 
 pytestmark = [pytest.mark.cpu]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving" / "step_gaps.py"
-
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("step_gaps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_gaps"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_serving_script("step_gaps")
 
 
 def sample(t: float, steps: int, step_s: float, running: int, tokens: int, demotions: int = 0) -> dict:

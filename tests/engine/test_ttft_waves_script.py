@@ -4,24 +4,16 @@ earliest arrivals) and the rest, against hand-computed values; unfinished reques
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from engine_scripts import load_serving_script
 
 pytestmark = [pytest.mark.cpu]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving" / "ttft_waves.py"
-
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("ttft_waves", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ttft_waves"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_serving_script("ttft_waves")
 
 
 def run(policy: str, concurrency: int | None, ttfts: list[float | None]) -> dict:
