@@ -104,7 +104,9 @@ def p99_decode_step(engine, batch: int, context: int, steps: int = 64) -> dict[s
     # With --queue-fast-after the prompts' wait turns every layer fast, and the rule holds it for queue_fast_hold_s
     # (2 s by default, ~140 decode steps at 14 ms): T_base is measured after it lets go, on full-precision steps.
     settle = QUEUE_SETTLE_STEPS if engine.config.queue_fast_after_s is not None else 0
-    context = min(context, engine.max_model_len - steps - settle - 8)  # a short max_model_len fits every step
+    room = engine.max_model_len - steps - 8  # a short max_model_len fits every step
+    settle = min(settle, max(0, room - 1))  # ... and keeps a prompt token (the CPU smoke's 128-token models)
+    context = min(context, room - settle)
     max_tokens = steps + settle + 8
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"tbase-{i}" for i in range(batch)]

@@ -141,3 +141,7 @@ def test_t_base_waits_for_the_queue_rule_to_let_go():
     assert held["settle_steps"] == 30 and held["layers_in_fast_mode"] == 0 and held["steps"] == 16
     plain = headline.p99_decode_step(_QueueRuleEngine(hold_steps=30, queue_rule=False), batch=4, context=128, steps=16)
     assert plain["settle_steps"] == 0 and plain["layers_in_fast_mode"] == 0
+    short = _QueueRuleEngine(hold_steps=30)
+    short.max_model_len = 128  # 400 settle steps do not fit: settle what does, with a prompt token left
+    tight = headline.p99_decode_step(short, batch=4, context=128, steps=16)
+    assert tight["context"] >= 1 and tight["settle_steps"] == 30 and tight["layers_in_fast_mode"] == 0

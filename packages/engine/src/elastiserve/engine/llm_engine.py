@@ -259,6 +259,7 @@ class LLMEngine:
             self.events.add(time.monotonic(), step, "preempt", 1, f"no block for {seq.request_id}")
         transitions.apply(self.policy.decide_recovery(self._observe(None)), step)
         transitions.restore_between_steps(step)
+        # A one-token chunk (the token a prefix-cache hit leaves to compute) reads as decode: it costs what one does.
         transitions.update_queue_fast(not batch.is_decode_only)
         transitions.sync_mode(step, self._budget_defers(batch))
         if batch.is_empty:
