@@ -119,8 +119,8 @@ class Replica(TransferRecovery):
     # ---- observation ------------------------------------------------------------------------------------------
     def _oldest_queued_s(self) -> float:
         """The longest any request has waited for its first token (0 when none waits): the queue-pressure signal,
-        computed only when the configuration uses it."""
-        if not self.arbiter.queue.enabled:
+        computed only when the configuration uses it (the queue rule; prefill_fast alone does not read it)."""
+        if not self.arbiter.queue.enabled or self.control.precision.queue_fast_s is None:
             return 0.0
         waiting = (s.record.arrival for s in (*self.waiting, *self.running) if s.generated == 0)
         return max(0.0, self.now - min(waiting, default=self.now))

@@ -139,7 +139,8 @@ class Transitions:
         if self.config.queue_fast_after_s is None and not self.config.prefill_fast:
             return
         now = time.monotonic()
-        oldest = self.scheduler.oldest_unanswered_arrival()
+        # The wait is a scan of every sequence: only the queue rule reads it, not prefill_fast alone.
+        oldest = None if self.config.queue_fast_after_s is None else self.scheduler.oldest_unanswered_arrival()
         self.queue_fast = self.policy.run_all_fast(now, 0.0 if oldest is None else now - oldest,
                                                    len(self.scheduler.waiting), carries_prefill)
 
